@@ -1,0 +1,159 @@
+"""The coordinator: the main process's view of its workers (SPEC 3, 5.11).
+
+It registers workers, keeps the live set and broadcasts it, and answers control calls
+that a worker relays. Records never pass through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from coordinator.channel import Channel, ChannelLost, Handler, RemoteError
+from routing.errors import TetherError
+from routing.types import WorkerId, worker_id_or_none
+
+log = structlog.get_logger("tether.coordinator")
+
+BROADCAST_TIMEOUT_S = 2.0
+STATS_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Link:
+    """A registered worker."""
+
+    worker: WorkerId
+    pid: int
+    channel: Channel
+
+
+class Coordinator:
+    """Registrations, the live set and control relays for one server."""
+
+    def __init__(
+        self, expected_workers: int, name: str | None = None, checkpoint_root: str | None = None
+    ) -> None:
+        self.expected_workers = expected_workers
+        self.name = name
+        self.checkpoint_root = checkpoint_root
+        self.links: dict[WorkerId, Link] = {}
+        self._changed = asyncio.Condition()
+
+    @property
+    def live(self) -> list[WorkerId]:
+        return sorted(self.links)
+
+    def handler_for(self, channel: Channel) -> Handler:
+        """The handler of one worker's channel."""
+
+        async def handle(kind: str, body: Any) -> Any:
+            if kind == "register":
+                return await self._register(channel, body)
+            if kind == "status":
+                return await self.status()
+            raise TetherError("invalid_request", f"unknown call {kind!r}")
+
+        return handle
+
+    async def on_channel(self, channel: Channel) -> None:
+        """Wait for a worker's channel to close, then drop the worker from the live set."""
+        await channel.wait_closed()
+        for worker, link in list(self.links.items()):
+            if link.channel is channel:
+                del self.links[worker]
+                log.warning("worker_left", worker_id=worker, pid=link.pid)
+                await self._broadcast_live()
+                async with self._changed:
+                    self._changed.notify_all()
+
+    async def wait_for_workers(self, count: int, within_s: float) -> bool:
+        """Whether `count` workers registered within `within_s` seconds."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: len(self.links) >= count), within_s
+                )
+            except TimeoutError:
+                return False
+        return True
+
+    async def _register(self, channel: Channel, body: Any) -> dict[str, Any]:
+        worker = worker_id_or_none(body.get("worker") if isinstance(body, dict) else None)
+        pid = body.get("pid") if isinstance(body, dict) else None
+        if worker is None or not isinstance(pid, int):
+            raise TetherError("invalid_request", "register needs a worker ID and a pid")
+        if worker in self.links:
+            raise TetherError("invalid_request", f"worker {worker} is already registered")
+        self.links[worker] = Link(worker, pid, channel)
+        started = time.perf_counter()
+        # Every other worker learns the newcomer is live before the newcomer serves, so a
+        # claim it makes is never mistaken for a dead worker's.
+        await self._broadcast_live(skip=worker)
+        log.info(
+            "worker_registered",
+            worker_id=worker,
+            pid=pid,
+            live=len(self.links),
+            broadcast_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+        async with self._changed:
+            self._changed.notify_all()
+        return {"live": self.live, "phase": "open"}
+
+    async def _broadcast_live(self, skip: WorkerId | None = None) -> None:
+        live = self.live
+        calls = [
+            link.channel.request("live", {"workers": live}, timeout=BROADCAST_TIMEOUT_S)
+            for worker, link in self.links.items()
+            if worker != skip
+        ]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, Exception) and not isinstance(result, ChannelLost):
+                log.warning("live_broadcast_failed", error=repr(result))
+
+    async def status(self) -> dict[str, Any]:
+        """The server's status document (SPEC 6)."""
+        links = list(self.links.values())
+        answers = await asyncio.gather(
+            *(link.channel.request("stats", timeout=STATS_TIMEOUT_S) for link in links),
+            return_exceptions=True,
+        )
+        workers = []
+        for link, answer in zip(links, answers, strict=True):
+            if isinstance(answer, dict):
+                workers.append(answer)
+            else:
+                if not isinstance(answer, ChannelLost | RemoteError | TimeoutError):
+                    log.warning("stats_failed", worker_id=link.worker, error=repr(answer))
+                workers.append(_unreported(link))
+        return {
+            "name": self.name,
+            "phase": "open",
+            "checkpoint_id": None,
+            "lease_expires_at": None,
+            "expected_workers": self.expected_workers,
+            "workers": sorted(workers, key=lambda w: w["id"]),
+            "held_episodes": [],
+            "lost_episodes": [],
+            "tables": {"placed_sessions": 0, "owner_aliases": 0},
+            "blockers": [],
+            "blockers_total": 0,
+            "checkpoint_root": self.checkpoint_root,
+        }
+
+
+def _unreported(link: Link) -> dict[str, Any]:
+    return {
+        "id": link.worker,
+        "pid": link.pid,
+        "sessions": None,
+        "claims": None,
+        "episodes": None,
+        "forwarded": None,
+        "served_forwarded": None,
+    }

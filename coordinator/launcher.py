@@ -1,0 +1,154 @@
+"""`tether serve`: the main process (SPEC 3, 8)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+import structlog
+
+from coordinator.apps import AppError, Preset, import_app, resolve_kind
+from coordinator.channel import ChannelServer
+from coordinator.coordinator import Coordinator
+from coordinator.runtime import (
+    COORDINATOR_SOCKET,
+    RuntimeDirError,
+    make_runtime_dir,
+    raise_open_file_limit,
+    remove_runtime_dir,
+    resolve_token,
+)
+from coordinator.supervisor import Supervisor
+from coordinator.worker import CONFIG_ENV, WorkerSettings
+from routing.logs import LogFormat, configure_logging
+
+log = structlog.get_logger("tether.serve")
+
+START_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    app: str
+    workers: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    name: str | None = None
+    sessions: Preset | None = None
+    checkpoint_root: str | None = None
+    control_token_file: str | None = None
+    close_window_s: float | None = None
+    log_format: LogFormat | None = None
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The shared listening socket every worker accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(options: ServeOptions) -> int:
+    """Run the server until SIGTERM or SIGINT; return the exit code."""
+    configure_logging(options.log_format)
+    try:
+        app = import_app(options.app)
+        resolve_kind(app, options.sessions, options.close_window_s)
+    except AppError as error:
+        print(f"tether serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        runtime_dir = make_runtime_dir()
+    except RuntimeDirError as error:
+        print(f"tether serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(options, runtime_dir))
+    finally:
+        remove_runtime_dir(runtime_dir)
+
+
+async def _serve(options: ServeOptions, runtime_dir: str) -> int:
+    soft, _ = raise_open_file_limit()
+    token, token_path = resolve_token(
+        options.control_token_file, options.checkpoint_root, runtime_dir
+    )
+    try:
+        listener = bind_listener(options.host, options.port)
+    except OSError as error:
+        print(f"tether serve: cannot listen on {options.host}:{options.port}: {error}",
+              file=sys.stderr)
+        return 2
+    host, port = listener.getsockname()[:2]
+    coordinator = Coordinator(options.workers, options.name, options.checkpoint_root)
+    channels = ChannelServer(
+        os.path.join(runtime_dir, COORDINATOR_SOCKET),
+        coordinator.handler_for,
+        on_channel=coordinator.on_channel,
+    )
+    await channels.start()
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def fail(code: int) -> None:
+        nonlocal exit_code
+        log.error("worker_failed_to_start", code=code)
+        exit_code = 1
+        stop.set()
+
+    settings = WorkerSettings(
+        app=options.app,
+        runtime_dir=runtime_dir,
+        workers=options.workers,
+        fd=listener.fileno(),
+        token=token,
+        sessions=options.sessions,
+        close_window_s=options.close_window_s,
+        log_format=options.log_format,
+    )
+    env = {**os.environ, CONFIG_ENV: settings.to_json()}
+    supervisor = Supervisor(
+        options.workers,
+        env,
+        (listener.fileno(),),
+        started=lambda: bool(coordinator.links),
+        on_failure=fail,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await supervisor.start()
+        ready = asyncio.create_task(coordinator.wait_for_workers(options.workers, START_TIMEOUT_S))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.result():
+            where = f"[{host}]" if ":" in host else host
+            print(f"tether serving http://{where}:{port} with {options.workers} workers",
+                  flush=True)
+            print(f"control token: {token_path or 'from $TETHER_CONTROL_TOKEN'}", flush=True)
+            log.info("serving", port=port, workers=options.workers, pids=supervisor.pids,
+                     open_files=soft, runtime_dir=runtime_dir)
+        elif not stop.is_set():
+            log.error("workers_did_not_start", registered=len(coordinator.links))
+            exit_code = 1
+            stop.set()
+        await stopped
+        ready.cancel()
+        await asyncio.gather(ready, return_exceptions=True)
+        log.info("stopping")
+    finally:
+        await supervisor.stop()
+        await channels.close()
+        listener.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return exit_code

@@ -1,0 +1,96 @@
+"""Worker processes: start N, replace any that dies, stop them all gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import structlog
+
+log = structlog.get_logger("tether.supervisor")
+
+STOP_TIMEOUT_S = 40.0
+
+
+class Supervisor:
+    """Keeps `count` worker processes running until `stop()`.
+
+    A worker that exits is replaced by a new process (which picks a new worker ID).
+    `on_failure` is called if a worker dies before any worker ever registered, which
+    means the app cannot start at all; replacing it would only loop.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        env: dict[str, str],
+        pass_fds: tuple[int, ...],
+        started: Callable[[], bool],
+        on_failure: Callable[[int], None],
+    ) -> None:
+        self.count = count
+        self._env = env
+        self._pass_fds = pass_fds
+        self._started = started
+        self._on_failure = on_failure
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    @property
+    def pids(self) -> list[int]:
+        return sorted(self._procs)
+
+    async def start(self) -> None:
+        for _ in range(self.count):
+            await self._spawn()
+
+    async def _spawn(self) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "coordinator.worker",
+            env=self._env,
+            pass_fds=self._pass_fds,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        self._procs[proc.pid] = proc
+        watcher = asyncio.create_task(self._watch(proc), name=f"tether-watch-{proc.pid}")
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        self._procs.pop(proc.pid, None)
+        if self._stopping:
+            return
+        log.warning("worker_exited", pid=proc.pid, code=code)
+        if not self._started():
+            self._on_failure(code)
+            return
+        await self._spawn()
+
+    async def stop(self) -> None:
+        """SIGTERM every worker (in-flight requests finish), SIGKILL any still alive later."""
+        self._stopping = True
+        procs = list(self._procs.values())
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        waits = [asyncio.create_task(proc.wait()) for proc in procs]
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=STOP_TIMEOUT_S)
+            for proc in procs:
+                if proc.returncode is None:
+                    log.error("worker_killed", pid=proc.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)
+            if late:
+                await asyncio.wait(late)
+        for watcher in list(self._watchers):
+            watcher.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)

@@ -1,0 +1,129 @@
+"""A per-session counter kept in worker memory: the reference app of SPEC section 10.
+
+Run it on four workers with `tether serve examples.counter:app --workers 4`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from routing.errors import TetherError
+from routing.fence import (
+    SessionFence,
+    lost_verification,
+    seed_rejected,
+    session_lost,
+    tether_error_response,
+)
+from routing.kinds import CLOSE_FOLLOWS_HEADER, cookie_kind, declare
+from routing.router import worker_of
+from routing.types import session_id_or_none
+
+SECRET = os.environ.get("COUNTER_SECRET", "counter-example-secret")
+
+
+class Counters:
+    """The counters this worker holds, by session ID."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.fence = SessionFence()
+
+    def holds(self, session_id: str) -> bool:
+        return session_id in self.counts
+
+    async def release(self, session_id: str) -> None:
+        self.counts.pop(session_id, None)
+
+
+counters = Counters()
+
+
+def _worker(request: Request) -> str:
+    return worker_of(request.scope) or f"pid-{os.getpid()}"
+
+
+async def _body_session_id(request: Request) -> str:
+    try:
+        body: Any = await request.json()
+    except ValueError as error:
+        raise seed_rejected("the body is not JSON") from error
+    session_id = session_id_or_none(body.get("session_id") if isinstance(body, dict) else None)
+    if session_id is None:
+        raise seed_rejected("session_id must be 1 to 256 printable ASCII characters")
+    return session_id
+
+
+async def seed_session(request: Request) -> JSONResponse:
+    session_id = await _body_session_id(request)
+    async with counters.fence.locked(session_id):
+        counters.fence.raise_if_closed(session_id)
+        counters.counts.setdefault(session_id, 0)
+    return JSONResponse({"session_id": session_id, "worker": _worker(request)})
+
+
+def _held(request: Request) -> str:
+    session_id: str = request.session.get("session_id", "")
+    if not counters.holds(session_id):
+        raise session_lost(session_id)
+    return session_id
+
+
+async def increment(request: Request) -> JSONResponse:
+    session_id = _held(request)
+    counters.counts[session_id] += 1
+    count = counters.counts[session_id]
+    return JSONResponse({"session_id": session_id, "count": count, "worker": _worker(request)})
+
+
+async def count(request: Request) -> JSONResponse:
+    session_id = _held(request)
+    count = counters.counts[session_id]
+    return JSONResponse({"session_id": session_id, "count": count, "worker": _worker(request)})
+
+
+async def verify(request: Request) -> JSONResponse:
+    session_id: str = request.session.get("session_id", "")
+    if not counters.holds(session_id):
+        return JSONResponse(lost_verification(session_id))
+    result = {"session_id": session_id, "count": counters.counts[session_id]}
+    if request.headers.get(CLOSE_FOLLOWS_HEADER) != "1":
+        async with counters.fence.locked(session_id):
+            await counters.release(session_id)
+            counters.fence.close(session_id)
+    return JSONResponse(result)
+
+
+async def close_session(request: Request) -> JSONResponse:
+    session_id = await _body_session_id(request)
+    async with counters.fence.locked(session_id):
+        await counters.release(session_id)
+        counters.fence.close(session_id)
+    return JSONResponse({"session_id": session_id, "closed": True})
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({"ok": True})
+
+
+app = Starlette(
+    routes=[
+        Route("/seed_session", seed_session, methods=["POST"]),
+        Route("/increment", increment, methods=["POST"]),
+        Route("/count", count, methods=["GET"]),
+        Route("/verify", verify, methods=["POST"]),
+        Route("/close_session", close_session, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+    ],
+    middleware=[Middleware(SessionMiddleware, secret_key=SECRET)],
+    exception_handlers={TetherError: tether_error_response},
+)
+declare(app, cookie_kind(app, release=counters.release))

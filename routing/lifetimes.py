@@ -1,0 +1,74 @@
+"""How long a worker keeps its claim on a session: pure rules, events and time in.
+
+Nothing here does I/O. `WorkerClaims` (claims.py) feeds it the requests it served and
+asks which sessions are due for release; the in-progress rule lives there.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Literal
+
+from routing.kinds import SessionHolder
+from routing.types import SessionId
+
+Role = Literal["start", "end", "other"]
+"""What a served request did: a session start, a session end, or anything else."""
+
+
+class Lifetimes:
+    """The window rule: an open session keeps its claim; any other, `window_s` past its
+    last request.
+
+    A successful start opens a session; a successful end (a close, a verify without
+    close-follows, or `ended`) closes it. A failed start or end changes nothing.
+    With a `holder`, the app decides instead: a session is due once it no longer holds it.
+    """
+
+    def __init__(self, window_s: float, holder: SessionHolder | None = None) -> None:
+        self.window_s = window_s
+        self.holder = holder
+        self._open: set[SessionId] = set()
+        self._deadline: dict[SessionId, float] = {}
+        self._heap: list[tuple[float, SessionId]] = []
+
+    def __len__(self) -> int:
+        return len(self._open) + len(self._deadline)
+
+    def is_open(self, session_id: SessionId) -> bool:
+        return session_id in self._open
+
+    def served(self, session_id: SessionId, role: Role, ok: bool, now: float) -> None:
+        """Record a request for a claimed session, once served (`ok`: a 2xx or 3xx reply)."""
+        if ok and role == "start":
+            self._open.add(session_id)
+            self._deadline.pop(session_id, None)
+        elif ok and role == "end":
+            self._open.discard(session_id)
+        if session_id not in self._open:
+            self._expire_at(session_id, now + self.window_s)
+
+    def ended(self, session_id: SessionId, now: float) -> None:
+        """End a session from a route that ends it under another name."""
+        self._open.discard(session_id)
+        self._expire_at(session_id, now + self.window_s)
+
+    def forget(self, session_id: SessionId) -> None:
+        self._open.discard(session_id)
+        self._deadline.pop(session_id, None)
+
+    def due(self, now: float, tracked: set[SessionId]) -> list[SessionId]:
+        """Sessions among `tracked` whose claim may end now."""
+        if self.holder is not None:
+            return [sid for sid in tracked if not self.holder.holds(sid)]
+        due: list[SessionId] = []
+        while self._heap and self._heap[0][0] <= now:
+            deadline, sid = heapq.heappop(self._heap)
+            if self._deadline.get(sid) == deadline:
+                del self._deadline[sid]
+                due.append(sid)
+        return due
+
+    def _expire_at(self, session_id: SessionId, deadline: float) -> None:
+        self._deadline[session_id] = deadline
+        heapq.heappush(self._heap, (deadline, session_id))

@@ -1,0 +1,388 @@
+"""The router: the one place a request's worker is decided (SPEC 4.2).
+
+Pure ASGI middleware that sits outside the app (and so outside its
+`SessionMiddleware`): it finds the request's session ID, finds the worker that holds it,
+and either forwards the request there or serves it here, claiming the session when the
+request shows it is being used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from routing.claims import WorkerClaims
+from routing.errors import TetherError, send_error, send_json
+from routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
+from routing.kinds import SessionKind
+from routing.lifetimes import Role
+from routing.sources import Found, body_session_id, find, read_body, replay
+from routing.tables import Tables
+from routing.types import SessionId, WorkerId, new_session_id, session_id_or_none
+
+log = structlog.get_logger("tether.router")
+
+CONTROL_PREFIX = "/_tether/"
+RETRY_AFTER = [(b"retry-after", b"1")]
+SCOPE_KEY = "tether.session_id"
+WORKER_KEY = "tether.worker"
+
+
+@dataclass
+class RouterStats:
+    """Counters reported in status."""
+
+    forwarded: int = 0
+    served_forwarded: int = 0
+
+
+@dataclass
+class Router:
+    """Routes each request to the worker that holds its session.
+
+    `claims` and `forwarder` are None on a server with one worker: nothing is claimed or
+    forwarded there, but IDs are still read, minted and checked.
+    """
+
+    app: ASGIApp
+    worker: WorkerId
+    kind: SessionKind | None = None
+    claims: WorkerClaims | None = None
+    forwarder: Forwarder | None = None
+    socket_path: Callable[[WorkerId], str] | None = None
+    tables: Tables = field(default_factory=Tables)
+    control: ASGIApp | None = None
+    access_log: bool = True
+    stats: RouterStats = field(default_factory=RouterStats)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The public entry: requests that reached this worker on the shared port."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"].startswith(CONTROL_PREFIX):
+            await self._control(scope, receive, send)
+            return
+        if not self.access_log:
+            await self._route(scope, receive, send, forwarded=False)
+            return
+        started = time.perf_counter()
+        status = 0
+
+        async def logged_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._route(scope, receive, logged_send, forwarded=False)
+        finally:
+            log.info(
+                "request",
+                method=scope["method"],
+                path=scope["path"],
+                status=status,
+                session_id=scope.get(SCOPE_KEY),
+                ms=round((time.perf_counter() - started) * 1000, 3),
+            )
+
+    async def serve_forwarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The private entry: requests another worker forwarded here; never forwarded again."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.stats.served_forwarded += 1
+        await self._route(scope, receive, send, forwarded=True)
+
+    def ended(self, session_id: SessionId) -> None:
+        """The app ended a session under a route its kind does not name."""
+        if self.claims is not None:
+            self.claims.ended(session_id)
+
+    async def _control(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.control is None:
+            await send_json(send, 404, {"code": "not_found", "detail": "no control API here"})
+        else:
+            await self.control(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, forwarded: bool) -> None:
+        kind = self.kind
+        found = find(kind, scope)
+        body: bytes | None = None
+        if kind is not None and (scope["method"], scope["path"]) in kind.body_routes:
+            try:
+                body = await read_body(receive, found.content_length)
+            except TetherError as error:
+                await send_error(send, error)
+                return
+            if body is None:
+                return  # the client left before its body arrived
+            receive = replay(body, receive)
+            body_id = body_session_id(kind, body)
+            if body_id is not None:
+                if found.session_id is not None and found.session_id != body_id:
+                    await send_error(
+                        send,
+                        TetherError(
+                            "session_mismatch",
+                            f"the request names {found.session_id!r}, the body {body_id!r}",
+                        ),
+                    )
+                    return
+                found.session_id = body_id
+        session_id = found.session_id
+        scope[SCOPE_KEY] = session_id
+        scope[WORKER_KEY] = self.worker
+        if session_id is None:
+            target = self.worker if forwarded else self._named_worker(found.worker)
+            if target is None:
+                await send_error(send, TetherError("worker_gone", f"worker {found.worker}"))
+            elif target == self.worker:
+                await self._serve(None, found, scope, receive, send)
+            else:
+                await self._forward(target, scope, receive, send, body, "worker_gone")
+            return
+        owner = None if forwarded else self._locate(session_id)
+        if owner is None or owner == self.worker:
+            await self._serve(session_id, found, scope, receive, send)
+        elif not self.tables.is_live(owner):
+            await self._gone(send, session_id)
+        else:
+            await self._forward(owner, scope, receive, send, body, "session_gone")
+
+    def _locate(self, session_id: SessionId) -> WorkerId | None:
+        """Lookup order: this worker's claims, the claim store, the placed-session table."""
+        if self.claims is None:
+            return None
+        try:
+            owner = self.claims.lookup(session_id)
+        except TetherError:
+            return None
+        return owner if owner is not None else self.tables.placed.get(session_id)
+
+    def _named_worker(self, named: str | None) -> WorkerId | None:
+        """Where a request with no session goes: here, or the live worker `named` resolves to."""
+        if named is None:
+            return self.worker
+        if named == self.worker:
+            return self.worker
+        return self.tables.resolve(WorkerId(named))
+
+    async def _forward(
+        self,
+        owner: WorkerId,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes | None,
+        gone: str,
+    ) -> None:
+        if self.forwarder is None or self.socket_path is None:
+            await send_error(send, TetherError("worker_gone", f"worker {owner}"))
+            return
+        self.stats.forwarded += 1
+        try:
+            await self.forwarder.forward(self.socket_path(owner), scope, receive, send, body)
+        except ClaimantGone:
+            self.forwarder.discard(self.socket_path(owner))
+            if gone == "worker_gone":
+                await send_error(send, TetherError("worker_gone", f"worker {owner}"))
+            else:
+                await self._gone(send, scope.get(SCOPE_KEY))
+        except ClaimantUnavailable as error:
+            await send_error(
+                send, TetherError("claimant_unavailable", str(error)), headers=RETRY_AFTER
+            )
+
+    async def _gone(self, send: Send, session_id: SessionId | None) -> None:
+        error = TetherError("session_gone", f"the worker of session {session_id!r} exited")
+        if self.kind is not None and self.kind.gone_as_jsonrpc:
+            await send_json(
+                send,
+                404,
+                {
+                    "jsonrpc": "2.0",
+                    "id": None,
+                    "error": {"code": -32001, "message": "Session not found", "data": error.body()},
+                },
+            )
+        else:
+            await send_error(send, error)
+
+    async def _serve(
+        self,
+        session_id: SessionId | None,
+        found: Found,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Serve here, claiming the session before the reply's first byte if it was used."""
+        kind = self.kind
+        if kind is None:
+            await self.app(scope, receive, send)
+            return
+        minted = False
+        if session_id is None:
+            if not (kind.mints and kind.cookie is not None):
+                await self._serve_with_reply_header(scope, receive, send)
+                return
+            session_id = new_session_id()
+            minted = True
+        request = (scope["method"], scope["path"])
+        role: Role = "other"
+        if request in kind.start_routes:
+            role = "start"
+        elif request in kind.end_routes and not (
+            found.close_follows and request not in kind.close_routes
+        ):
+            role = "end"
+        claims = self.claims
+        if claims is not None and not claims.mine(session_id):
+            placed = self.tables.placed.get(session_id) == self.worker
+            if role == "start" or request in kind.close_routes or placed:
+                owner = claims.claim(session_id)
+                if owner != self.worker:
+                    await send_error(send, _conflict(session_id, owner))
+                    return
+        if kind.cookie is not None and found.cookie_id != session_id:
+            scope = _with_session_cookie(scope, kind, found, session_id)
+        session = _Served(self, session_id, role, emit_cookie=role == "start" or minted)
+        if claims is not None:
+            claims.begin(session_id)
+        try:
+            await self.app(scope, receive, session.wrap(scope, send))
+        finally:
+            if claims is not None:
+                claims.end(session_id, role, session.ok)
+                if session.reply_id is not None:
+                    claims.end(session.reply_id, "start", session.ok)
+
+    async def _serve_with_reply_header(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request with no session, for a kind whose app names sessions in its reply."""
+        kind = self.kind
+        assert kind is not None
+        if kind.reply_header is None or self.claims is None:
+            await self.app(scope, receive, send)
+            return
+        session = _Served(self, None, "other", emit_cookie=False)
+        try:
+            await self.app(scope, receive, session.wrap(scope, send))
+        finally:
+            if session.reply_id is not None:
+                self.claims.end(session.reply_id, "start", session.ok)
+
+
+def worker_of(scope: Scope) -> str | None:
+    """The ID of the worker serving this request, or None outside tether."""
+    worker = scope.get(WORKER_KEY)
+    return worker if isinstance(worker, str) else None
+
+
+class _Served:
+    """One request served here: claims its session at the reply's first byte if used."""
+
+    def __init__(
+        self, router: Router, session_id: SessionId | None, role: Role, emit_cookie: bool
+    ) -> None:
+        self.router = router
+        self.session_id = session_id
+        self.role = role
+        self.emit_cookie = emit_cookie
+        self.ok = False
+        self.reply_id: SessionId | None = None
+        self.refused = False
+
+    def wrap(self, scope: Scope, send: Send) -> Send:
+        async def wrapped(message: Message) -> None:
+            if self.refused:
+                return
+            if message["type"] == "http.response.start":
+                error = await self._on_start(scope, message)
+                if error is not None:
+                    self.refused = True
+                    await send_error(send, error)
+                    return
+            await send(message)
+
+        return wrapped
+
+    async def _on_start(self, scope: Scope, message: Message) -> TetherError | None:
+        router = self.router
+        kind = router.kind
+        assert kind is not None
+        status: int = message["status"]
+        self.ok = 200 <= status < 400
+        session = scope.get("session")
+        used = bool(getattr(session, "accessed", False))
+        sid = self.session_id
+        claims = router.claims
+        evidence = used or (sid is not None and kind.holder is not None and kind.holder.holds(sid))
+        if sid is not None and claims is not None and evidence and not claims.mine(sid):
+            owner = claims.claim(sid)
+            if owner != router.worker:
+                await _release(kind, sid)
+                return _conflict(sid, owner)
+        if kind.reply_header is not None and claims is not None:
+            named = _header(message, kind.reply_header.encode())
+            reply_id = session_id_or_none(named)
+            if reply_id is not None and reply_id != sid and not claims.mine(reply_id):
+                owner = claims.claim(reply_id)
+                if owner != router.worker:
+                    await _release(kind, reply_id)
+                    return _conflict(reply_id, owner)
+            if reply_id is not None and reply_id != sid:
+                self.reply_id = reply_id
+                claims.begin(reply_id)
+        wants_cookie = self.emit_cookie and (used or self.role == "start")
+        if sid is not None and kind.cookie is not None and wants_cookie:
+            prefix = kind.cookie.name.encode() + b"="
+            headers = message.setdefault("headers", [])
+            if not any(k == b"set-cookie" and v.startswith(prefix) for k, v in headers):
+                base = session if isinstance(session, dict) and session else {}
+                cookie = {**base, kind.cookie_key: sid}
+                message["headers"] = [*headers, (b"set-cookie", kind.cookie.set_cookie(cookie))]
+        return None
+
+
+def _conflict(session_id: SessionId, owner: WorkerId) -> TetherError:
+    return TetherError("session_conflict", f"session {session_id!r} is held by worker {owner}")
+
+
+async def _release(kind: SessionKind, session_id: SessionId) -> None:
+    if kind.release is not None:
+        try:
+            await kind.release(session_id)
+        except Exception:
+            log.exception("release_failed", session_id=session_id)
+
+
+def _header(message: Message, name: bytes) -> str | None:
+    for key, value in message.get("headers", ()):
+        if key.lower() == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _with_session_cookie(
+    scope: Scope, kind: SessionKind, found: Found, session_id: SessionId
+) -> Scope:
+    """The scope with a session cookie naming `session_id`, so the app's
+    `SessionMiddleware` hands the handler the ID the router routed by."""
+    assert kind.cookie is not None
+    session: dict[str, Any] = {**(found.cookie_session or {}), kind.cookie_key: session_id}
+    pair = f"{kind.cookie.name}={kind.cookie.encode(session)}".encode("latin-1")
+    headers = list(scope["headers"])
+    for index, (name, value) in enumerate(headers):
+        if name == b"cookie":
+            headers[index] = (name, value + b"; " + pair)
+            break
+    else:
+        headers.append((b"cookie", pair))
+    return {**scope, "headers": headers}

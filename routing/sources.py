@@ -1,0 +1,124 @@
+"""Where a request's session ID comes from (SPEC 4.1), read from the raw ASGI scope.
+
+One pass over the headers collects everything the router needs; the body is read only
+on seed and close routes, capped, and replayed to the app unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl
+
+from starlette.requests import cookie_parser
+from starlette.types import Message, Receive, Scope
+
+from routing.errors import TetherError
+from routing.kinds import WORKER_HEADER, SessionKind
+from routing.types import SessionId, session_id_or_none
+
+MAX_BODY = 64 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class Found:
+    """What the headers, query and cookie of one request say about its session."""
+
+    session_id: SessionId | None = None
+    cookie_session: dict[str, Any] | None = None
+    cookie_id: SessionId | None = None
+    worker: str | None = None
+    close_follows: bool = False
+    content_length: int | None = None
+
+
+def find(kind: SessionKind | None, scope: Scope) -> Found:
+    """The session ID from the header, query, cookie or token, in that order."""
+    found = Found()
+    header_id = token_id = None
+    cookie_header = None
+    kind_header = kind.header.encode() if kind and kind.header else None
+    token_header = kind.token_header.encode() if kind and kind.token_header else None
+    follows_header = kind.close_follows_header.encode() if kind else None
+    for name, value in scope["headers"]:
+        if name == b"cookie":
+            if cookie_header is None:
+                cookie_header = value
+        elif name == b"content-length":
+            found.content_length = int(value) if value.isdigit() else None
+        elif name == WORKER_HEADER_BYTES:
+            found.worker = value.decode("latin-1")
+        elif kind is None:
+            continue
+        elif name == kind_header and header_id is None:
+            header_id = kind.read_header(value.decode("latin-1"))
+        elif name == token_header and token_id is None:
+            token_id = kind.read_token(value.decode("latin-1"))
+        elif name == follows_header:
+            found.close_follows = value.strip() == b"1"
+    if kind is None:
+        return found
+    if cookie_header is not None and kind.cookie is not None:
+        value = cookie_parser(cookie_header.decode("latin-1")).get(kind.cookie.name)
+        if value is not None:
+            found.cookie_session = kind.cookie.decode(value)
+            if found.cookie_session is not None:
+                found.cookie_id = session_id_or_none(found.cookie_session.get(kind.cookie_key))
+    query_id = None
+    if kind.query_param and scope.get("query_string"):
+        query = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+        query_id = next(
+            (session_id_or_none(v) for k, v in query if k == kind.query_param), None
+        )
+    found.session_id = header_id or query_id or found.cookie_id or token_id
+    return found
+
+
+WORKER_HEADER_BYTES = WORKER_HEADER.encode()
+
+
+async def read_body(receive: Receive, content_length: int | None) -> bytes | None:
+    """The whole request body, or None if the client disconnected first.
+
+    Raises `body_too_large` before reading when the declared length is over the cap,
+    and as soon as the body read so far passes it.
+    """
+    if content_length is not None and content_length > MAX_BODY:
+        raise TetherError("body_too_large", f"body over {MAX_BODY} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise TetherError("body_too_large", f"body over {MAX_BODY} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def body_session_id(kind: SessionKind, body: bytes) -> SessionId | None:
+    """The session ID in a seed or close body; a body that is not a JSON object names none."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return session_id_or_none(data.get(kind.body_field)) if isinstance(data, dict) else None
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the app the body already read, then passes on what follows."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

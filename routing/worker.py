@@ -1,0 +1,129 @@
+"""One worker's routing, composed: claims, lifetimes, the router, forwarding, the private
+socket server and the background sweep of expired claims."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from starlette.types import ASGIApp
+
+from routing.claims import ClaimStore, FileClaimStore, WorkerClaims
+from routing.forward import Forwarder
+from routing.kinds import SessionKind
+from routing.lifetimes import Lifetimes
+from routing.private import PrivateServer
+from routing.router import Router
+from routing.tables import Tables
+from routing.types import WorkerId, new_worker_id
+
+log = structlog.get_logger("tether.worker")
+
+MIN_SWEEP_S = 0.05
+MAX_SWEEP_S = 5.0
+
+
+def socket_path(runtime_dir: str, worker: WorkerId) -> str:
+    """The private socket of `worker` in a server's runtime directory."""
+    return os.path.join(runtime_dir, "w", f"{worker}.sock")
+
+
+def claims_dir(runtime_dir: str) -> str:
+    return os.path.join(runtime_dir, "claims")
+
+
+class RoutingWorker:
+    """Everything one worker needs to route: with `runtime_dir` None (one worker) it
+    claims and forwards nothing, and opens no private socket."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        kind: SessionKind | None,
+        runtime_dir: str | None,
+        worker: WorkerId | None = None,
+        store: ClaimStore | None = None,
+        control: ASGIApp | None = None,
+        access_log: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.id = worker or new_worker_id()
+        self.runtime_dir = runtime_dir
+        self.tables = Tables([self.id])
+        self.claims: WorkerClaims | None = None
+        self.forwarder: Forwarder | None = None
+        self.private: PrivateServer | None = None
+        window = kind.close_window_s if kind else 300.0
+        self._sweep_every = min(max(window / 20, MIN_SWEEP_S), MAX_SWEEP_S)
+        self._sweeper: asyncio.Task[None] | None = None
+        if runtime_dir is not None:
+            if store is None:
+                store = FileClaimStore(claims_dir(runtime_dir))
+            holder = kind.holder if kind else None
+            self.claims = WorkerClaims(store, self.id, Lifetimes(window, holder), clock)
+            self.forwarder = Forwarder()
+        self.router = Router(
+            app,
+            worker=self.id,
+            kind=kind,
+            claims=self.claims,
+            forwarder=self.forwarder,
+            socket_path=self.socket_path,
+            tables=self.tables,
+            control=control,
+            access_log=access_log,
+        )
+        if runtime_dir is not None:
+            os.makedirs(os.path.join(runtime_dir, "w"), mode=0o700, exist_ok=True)
+            self.private = PrivateServer(self.router.serve_forwarded, self.socket_path(self.id))
+
+    def socket_path(self, worker: WorkerId) -> str:
+        assert self.runtime_dir is not None
+        return socket_path(self.runtime_dir, worker)
+
+    async def start(self) -> None:
+        """Serve forwarded requests and start sweeping expired claims."""
+        if self.private is not None:
+            await self.private.start()
+        if self.claims is not None:
+            self._sweeper = asyncio.create_task(self._sweep(), name="tether-claim-sweep")
+
+    async def stop(self) -> None:
+        """Stop sweeping, let forwarded requests finish, close every connection."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        if self.private is not None:
+            await self.private.stop()
+        if self.forwarder is not None:
+            await self.forwarder.close()
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's line in status."""
+        return {
+            "id": self.id,
+            "pid": os.getpid(),
+            "claims": len(self.claims) if self.claims is not None else 0,
+            "forwarded": self.router.stats.forwarded,
+            "served_forwarded": self.router.stats.served_forwarded,
+        }
+
+    async def _sweep(self) -> None:
+        assert self.claims is not None
+        while True:
+            await asyncio.sleep(self._sweep_every)
+            try:
+                released = self.claims.sweep()
+            except OSError:
+                log.exception("claim_sweep_failed")
+                continue
+            if released:
+                log.debug("claims_released", count=len(released))

@@ -1,0 +1,73 @@
+"""The file claim store, on a real directory."""
+
+from __future__ import annotations
+
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from routing.claims import FileClaimStore
+from routing.errors import TetherError
+from routing.types import SessionId, WorkerId
+
+A = WorkerId("a" * 32)
+B = WorkerId("b" * 32)
+
+
+def test_first_claim_wins_and_later_claims_name_the_winner(short_tmp: Path) -> None:
+    store = FileClaimStore(str(short_tmp / "claims"))
+    assert store.claim(SessionId("s"), A) == A
+    assert store.claim(SessionId("s"), B) == A
+    assert store.claimant(SessionId("s")) == A
+
+
+def test_two_stores_claiming_the_same_1000_ids_at_once_have_one_winner_each(
+    short_tmp: Path,
+) -> None:
+    one = FileClaimStore(str(short_tmp / "claims"))
+    two = FileClaimStore(str(short_tmp / "claims"))
+    ids = [SessionId(f"session-{i}") for i in range(1000)]
+
+    def claim_all(store: FileClaimStore, worker: WorkerId) -> list[WorkerId]:
+        return [store.claim(sid, worker) for sid in ids]
+
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(claim_all, one, A)
+        b = pool.submit(claim_all, two, B)
+        results_a, results_b = a.result(), b.result()
+    assert results_a == results_b  # both agree on the winner of every ID
+    assert {one.claimant(sid) for sid in ids} <= {A, B}
+    assert [one.claimant(sid) for sid in ids] == results_a
+    leftovers = [name for name in os.listdir(short_tmp / "claims") if name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_only_the_claimant_removes_its_claim(short_tmp: Path) -> None:
+    store = FileClaimStore(str(short_tmp / "claims"))
+    store.claim(SessionId("s"), A)
+    store.release(SessionId("s"), B)
+    assert store.claimant(SessionId("s")) == A
+    store.release(SessionId("s"), A)
+    assert store.claimant(SessionId("s")) is None
+
+
+def test_claim_files_are_private_and_name_worker_and_session(short_tmp: Path) -> None:
+    store = FileClaimStore(str(short_tmp / "claims"))
+    store.claim(SessionId("my session"), A)
+    [name] = os.listdir(short_tmp / "claims")
+    path = short_tmp / "claims" / name
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text() == f"{A}\nmy session"
+
+
+def test_a_hash_collision_is_detected_not_routed(short_tmp: Path) -> None:
+    store = FileClaimStore(str(short_tmp / "claims"))
+    store.claim(SessionId("real"), A)
+    [name] = os.listdir(short_tmp / "claims")
+    (short_tmp / "claims" / name).write_text(f"{A}\nanother session")
+    with pytest.raises(TetherError) as caught:
+        store.claimant(SessionId("real"))
+    assert caught.value.code == "session_conflict"

@@ -1,0 +1,131 @@
+"""Claim lifetimes with an injected clock: no sockets, no sleeps."""
+
+from __future__ import annotations
+
+from routing.claims import FileClaimStore, WorkerClaims
+from routing.lifetimes import Lifetimes
+from routing.types import SessionId, WorkerId
+
+ME = WorkerId("a" * 32)
+S = SessionId("s1")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(short_tmp: object, window: float = 10.0, holder: object = None) -> tuple[WorkerClaims, Clock]:
+    clock = Clock()
+    store = FileClaimStore(f"{short_tmp}/claims")
+    return WorkerClaims(store, ME, Lifetimes(window, holder), clock), clock  # type: ignore[arg-type]
+
+
+def serve(claims: WorkerClaims, role: str, ok: bool = True, sid: SessionId = S) -> None:
+    claims.claim(sid)
+    claims.begin(sid)
+    claims.end(sid, role, ok)  # type: ignore[arg-type]
+
+
+def test_open_session_keeps_its_claim_past_any_window(short_tmp: object) -> None:
+    claims, clock = make(short_tmp)
+    serve(claims, "start")
+    clock.now += 10_000
+    assert claims.sweep() == []
+    assert claims.store.claimant(S) == ME
+
+
+def test_closed_session_loses_its_claim_one_window_after_its_last_request(short_tmp: object) -> None:
+    claims, clock = make(short_tmp)
+    serve(claims, "start")
+    clock.now += 5
+    serve(claims, "end")
+    clock.now += 9.9
+    assert claims.sweep() == []
+    clock.now += 0.2
+    assert claims.sweep() == [S]
+    assert claims.store.claimant(S) is None
+    assert not claims.mine(S)
+
+
+def test_a_later_request_pushes_the_window_out(short_tmp: object) -> None:
+    claims, clock = make(short_tmp)
+    serve(claims, "end")
+    clock.now += 8
+    serve(claims, "other")
+    clock.now += 8
+    assert claims.sweep() == []
+    clock.now += 3
+    assert claims.sweep() == [S]
+
+
+def test_failed_seed_keeps_its_claim_only_for_the_window(short_tmp: object) -> None:
+    claims, clock = make(short_tmp)
+    serve(claims, "start", ok=False)
+    clock.now += 11
+    assert claims.sweep() == [S]
+
+
+def test_never_seeded_session_loses_its_claim_after_the_window(short_tmp: object) -> None:
+    claims, clock = make(short_tmp)
+    serve(claims, "other")
+    clock.now += 11
+    assert claims.sweep() == [S]
+
+
+def test_failed_close_of_an_open_session_leaves_it_open(short_tmp: object) -> None:
+    claims, clock = make(short_tmp)
+    serve(claims, "start")
+    serve(claims, "end", ok=False)
+    clock.now += 100
+    assert claims.sweep() == []
+
+
+def test_ended_closes_an_open_session(short_tmp: object) -> None:
+    claims, clock = make(short_tmp)
+    serve(claims, "start")
+    claims.ended(S)
+    clock.now += 11
+    assert claims.sweep() == [S]
+
+
+def test_claim_is_not_released_while_a_request_is_in_progress(short_tmp: object) -> None:
+    claims, clock = make(short_tmp)
+    serve(claims, "end")
+    claims.begin(S)
+    clock.now += 100
+    assert claims.sweep() == []
+    claims.end(S, "other", True)
+    assert claims.sweep() == []
+    clock.now += 11
+    assert claims.sweep() == [S]
+
+
+def test_holder_keeps_the_claim_exactly_while_it_holds(short_tmp: object) -> None:
+    held: set[str] = {S}
+
+    class Holder:
+        def holds(self, session_id: SessionId) -> bool:
+            return session_id in held
+
+    claims, clock = make(short_tmp, holder=Holder())
+    serve(claims, "other")
+    clock.now += 10_000
+    assert claims.sweep() == []
+    held.clear()
+    claims.begin(S)
+    assert claims.sweep() == []  # in progress
+    claims.end(S, "other", True)
+    assert claims.sweep() == [S]
+
+
+def test_many_sessions_expire_in_deadline_order() -> None:
+    lifetimes = Lifetimes(10.0)
+    for i in range(1000):
+        lifetimes.served(SessionId(f"s{i}"), "end", True, now=float(i))
+    due = lifetimes.due(505.0, set())
+    assert due == [SessionId(f"s{i}") for i in range(496)]
+    assert len(lifetimes) == 504
