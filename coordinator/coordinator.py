@@ -42,6 +42,7 @@ class Coordinator:
         self.name = name
         self.checkpoint_root = checkpoint_root
         self.links: dict[WorkerId, Link] = {}
+        self.stopping = False
         self._changed = asyncio.Condition()
 
     @property
@@ -66,7 +67,10 @@ class Coordinator:
         for worker, link in list(self.links.items()):
             if link.channel is channel:
                 del self.links[worker]
-                log.warning("worker_left", worker_id=worker, pid=link.pid)
+                if self.stopping:
+                    log.info("worker_stopped", worker_id=worker, pid=link.pid)
+                else:
+                    log.warning("worker_left", worker_id=worker, pid=link.pid)
                 await self._broadcast_live()
                 async with self._changed:
                     self._changed.notify_all()

@@ -146,6 +146,7 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
         await asyncio.gather(ready, return_exceptions=True)
         log.info("stopping")
     finally:
+        coordinator.stopping = True
         await supervisor.stop()
         await channels.close()
         listener.close()

@@ -172,6 +172,7 @@ def main() -> None:
         access_log=False,
         log_config=None,
         http="httptools",
+            interface="asgi3",
         timeout_graceful_shutdown=30,
     )
     worker.server = uvicorn.Server(config)

@@ -44,9 +44,6 @@ class Counters:
         self.counts.pop(session_id, None)
 
 
-counters = Counters()
-
-
 def _worker(request: Request) -> str:
     return worker_of(request.scope) or f"pid-{os.getpid()}"
 
@@ -62,68 +59,73 @@ async def _body_session_id(request: Request) -> str:
     return session_id
 
 
-async def seed_session(request: Request) -> JSONResponse:
-    session_id = await _body_session_id(request)
-    async with counters.fence.locked(session_id):
-        counters.fence.raise_if_closed(session_id)
-        counters.counts.setdefault(session_id, 0)
-    return JSONResponse({"session_id": session_id, "worker": _worker(request)})
+def create_app(secret: str = SECRET) -> Starlette:
+    """A fresh counter app with its own counters (one per worker process)."""
+    counters = Counters()
 
+    def held(request: Request) -> str:
+        session_id: str = request.session.get("session_id", "")
+        if not counters.holds(session_id):
+            raise session_lost(session_id)
+        return session_id
 
-def _held(request: Request) -> str:
-    session_id: str = request.session.get("session_id", "")
-    if not counters.holds(session_id):
-        raise session_lost(session_id)
-    return session_id
+    def reply(request: Request, session_id: str) -> JSONResponse:
+        return JSONResponse(
+            {"session_id": session_id, "count": counters.counts[session_id],
+             "worker": _worker(request)}
+        )
 
+    async def seed_session(request: Request) -> JSONResponse:
+        session_id = await _body_session_id(request)
+        async with counters.fence.locked(session_id):
+            counters.fence.raise_if_closed(session_id)
+            counters.counts.setdefault(session_id, 0)
+        return JSONResponse({"session_id": session_id, "worker": _worker(request)})
 
-async def increment(request: Request) -> JSONResponse:
-    session_id = _held(request)
-    counters.counts[session_id] += 1
-    count = counters.counts[session_id]
-    return JSONResponse({"session_id": session_id, "count": count, "worker": _worker(request)})
+    async def increment(request: Request) -> JSONResponse:
+        session_id = held(request)
+        counters.counts[session_id] += 1
+        return reply(request, session_id)
 
+    async def count(request: Request) -> JSONResponse:
+        return reply(request, held(request))
 
-async def count(request: Request) -> JSONResponse:
-    session_id = _held(request)
-    count = counters.counts[session_id]
-    return JSONResponse({"session_id": session_id, "count": count, "worker": _worker(request)})
+    async def verify(request: Request) -> JSONResponse:
+        session_id: str = request.session.get("session_id", "")
+        if not counters.holds(session_id):
+            return JSONResponse(lost_verification(session_id))
+        result = {"session_id": session_id, "count": counters.counts[session_id]}
+        if request.headers.get(CLOSE_FOLLOWS_HEADER) != "1":
+            async with counters.fence.locked(session_id):
+                await counters.release(session_id)
+                counters.fence.close(session_id)
+        return JSONResponse(result)
 
-
-async def verify(request: Request) -> JSONResponse:
-    session_id: str = request.session.get("session_id", "")
-    if not counters.holds(session_id):
-        return JSONResponse(lost_verification(session_id))
-    result = {"session_id": session_id, "count": counters.counts[session_id]}
-    if request.headers.get(CLOSE_FOLLOWS_HEADER) != "1":
+    async def close_session(request: Request) -> JSONResponse:
+        session_id = await _body_session_id(request)
         async with counters.fence.locked(session_id):
             await counters.release(session_id)
             counters.fence.close(session_id)
-    return JSONResponse(result)
+        return JSONResponse({"session_id": session_id, "closed": True})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    app = Starlette(
+        routes=[
+            Route("/seed_session", seed_session, methods=["POST"]),
+            Route("/increment", increment, methods=["POST"]),
+            Route("/count", count, methods=["GET"]),
+            Route("/verify", verify, methods=["POST"]),
+            Route("/close_session", close_session, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        middleware=[Middleware(SessionMiddleware, secret_key=secret)],
+        exception_handlers={TetherError: tether_error_response},
+    )
+    app.state.counters = counters
+    declare(app, cookie_kind(app, release=counters.release))
+    return app
 
 
-async def close_session(request: Request) -> JSONResponse:
-    session_id = await _body_session_id(request)
-    async with counters.fence.locked(session_id):
-        await counters.release(session_id)
-        counters.fence.close(session_id)
-    return JSONResponse({"session_id": session_id, "closed": True})
-
-
-async def health(request: Request) -> JSONResponse:
-    return JSONResponse({"ok": True})
-
-
-app = Starlette(
-    routes=[
-        Route("/seed_session", seed_session, methods=["POST"]),
-        Route("/increment", increment, methods=["POST"]),
-        Route("/count", count, methods=["GET"]),
-        Route("/verify", verify, methods=["POST"]),
-        Route("/close_session", close_session, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-    ],
-    middleware=[Middleware(SessionMiddleware, secret_key=SECRET)],
-    exception_handlers={TetherError: tether_error_response},
-)
-declare(app, cookie_kind(app, release=counters.release))
+app = create_app()

@@ -155,6 +155,16 @@ class WorkerClaims:
     def in_progress(self, session_id: SessionId) -> bool:
         return session_id in self._serving
 
+    def drop(self, session_id: SessionId) -> bool:
+        """Release a claim nobody can name (a minted ID whose start failed) right away,
+        unless a request for it is in progress."""
+        if session_id in self._serving or session_id not in self._mine:
+            return False
+        self._mine.discard(session_id)
+        self.lifetimes.forget(session_id)
+        self.store.release(session_id, self.worker)
+        return True
+
     def sweep(self) -> list[SessionId]:
         """Release every claim whose lifetime has ended and that no request is using."""
         released: list[SessionId] = []

@@ -253,7 +253,7 @@ class Router:
                     return
         if kind.cookie is not None and found.cookie_id != session_id:
             scope = _with_session_cookie(scope, kind, found, session_id)
-        session = _Served(self, session_id, role, emit_cookie=role == "start" or minted)
+        session = _Served(self, session_id, role, minted)
         if claims is not None:
             claims.begin(session_id)
         try:
@@ -261,6 +261,8 @@ class Router:
         finally:
             if claims is not None:
                 claims.end(session_id, role, session.ok)
+                if minted and not session.ok:
+                    claims.drop(session_id)  # no cookie named it, so nobody can
                 if session.reply_id is not None:
                     claims.end(session.reply_id, "start", session.ok)
 
@@ -271,7 +273,7 @@ class Router:
         if kind.reply_header is None or self.claims is None:
             await self.app(scope, receive, send)
             return
-        session = _Served(self, None, "other", emit_cookie=False)
+        session = _Served(self, None, "other", minted=False)
         try:
             await self.app(scope, receive, session.wrap(scope, send))
         finally:
@@ -289,12 +291,12 @@ class _Served:
     """One request served here: claims its session at the reply's first byte if used."""
 
     def __init__(
-        self, router: Router, session_id: SessionId | None, role: Role, emit_cookie: bool
+        self, router: Router, session_id: SessionId | None, role: Role, minted: bool
     ) -> None:
         self.router = router
         self.session_id = session_id
         self.role = role
-        self.emit_cookie = emit_cookie
+        self.minted = minted
         self.ok = False
         self.reply_id: SessionId | None = None
         self.refused = False
@@ -340,7 +342,11 @@ class _Served:
             if reply_id is not None and reply_id != sid:
                 self.reply_id = reply_id
                 claims.begin(reply_id)
-        wants_cookie = self.emit_cookie and (used or self.role == "start")
+        # A start's reply names its session; a minted ID is named once the handler used
+        # it; a failed request never hands out a minted ID.
+        wants_cookie = (self.role == "start" or (self.minted and used)) and (
+            self.ok or not self.minted
+        )
         if sid is not None and kind.cookie is not None and wants_cookie:
             prefix = kind.cookie.name.encode() + b"="
             headers = message.setdefault("headers", [])

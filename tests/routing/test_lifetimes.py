@@ -18,7 +18,9 @@ class Clock:
         return self.now
 
 
-def make(short_tmp: object, window: float = 10.0, holder: object = None) -> tuple[WorkerClaims, Clock]:
+def make(
+    short_tmp: object, window: float = 10.0, holder: object = None
+) -> tuple[WorkerClaims, Clock]:
     clock = Clock()
     store = FileClaimStore(f"{short_tmp}/claims")
     return WorkerClaims(store, ME, Lifetimes(window, holder), clock), clock  # type: ignore[arg-type]
@@ -38,7 +40,9 @@ def test_open_session_keeps_its_claim_past_any_window(short_tmp: object) -> None
     assert claims.store.claimant(S) == ME
 
 
-def test_closed_session_loses_its_claim_one_window_after_its_last_request(short_tmp: object) -> None:
+def test_closed_session_loses_its_claim_one_window_after_its_last_request(
+    short_tmp: object,
+) -> None:
     claims, clock = make(short_tmp)
     serve(claims, "start")
     clock.now += 5

@@ -1,0 +1,541 @@
+"""The forwarding hop: a lean HTTP/1.1 passthrough client over Unix sockets.
+
+A worker that receives a request for a session another worker holds hands the raw ASGI
+scope, `receive` and `send` to `Forwarder.forward`, which writes the request to the
+claimant's private socket unchanged (less hop-by-hop headers) and moves the reply back
+as raw ASGI messages, chunk by chunk. It parses with httptools on an `asyncio.Protocol`:
+no Starlette `Request`, no aiohttp, since this runs on every forwarded request.
+
+Errors::
+
+    ClaimantGone          the claimant is known dead: its socket path is missing, or
+                          the connection was refused (raised before anything was sent)
+    ClaimantUnavailable   any other failure to reach it before its first reply byte
+                          (raised before anything was sent)
+    ConnectionResetError  the claimant's connection broke after the reply began; the
+                          receiving server then aborts the client connection
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import quote
+
+import httptools
+from starlette.types import Receive, Scope, Send
+
+__all__ = ["ClaimantGone", "ClaimantUnavailable", "Forwarder"]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# The receiving server answers `expect: 100-continue` when the body is first read; passed
+# on, it would make the claimant send an interim 100 reply too.
+_NOT_FORWARDED = HOP_BY_HOP | {b"expect"}
+_CONNECTION_TOKENS = frozenset({b"close", b"keep-alive", b"upgrade", b""})
+
+_RETRY_LIMIT = 1 << 20  # body bytes kept so a dead kept-alive connection can be retried
+_READ_LIMIT = 1 << 18  # reply bytes buffered before we stop reading the claimant
+_JOIN_LIMIT = 1 << 16  # smaller writes are joined into one buffer
+
+
+class ClaimantGone(Exception):
+    """The claimant is known dead: its socket path is missing or refuses connections."""
+
+
+class ClaimantUnavailable(Exception):
+    """The claimant could not be reached, or its connection died before any reply byte."""
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to a claimant; httptools callbacks fill in the current reply."""
+
+    __slots__ = (
+        "body_sent",
+        "buffered",
+        "chunks",
+        "client_gone",
+        "closed",
+        "complete",
+        "drain_waiter",
+        "finished",
+        "framed",
+        "got_bytes",
+        "head",
+        "headers",
+        "idle_since",
+        "in_use",
+        "informational",
+        "keep_alive",
+        "loop",
+        "lost_waiter",
+        "parser",
+        "pool",
+        "reading_paused",
+        "status",
+        "transport",
+        "waiter",
+        "write_paused",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.in_use = True
+        self.pool: list[_Connection] | None = None  # the pool that holds it while idle
+        self.idle_since = 0.0
+        self.write_paused = False
+        self.reading_paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.drain_waiter: asyncio.Future[None] | None = None
+        self.lost_waiter: asyncio.Future[None] | None = None
+        self.begin(False)
+
+    def begin(self, head: bool) -> None:
+        """Reset the reply state for a new request (`head`: the request is a HEAD)."""
+        self.head = head
+        self.got_bytes = False
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.informational = False
+        self.framed = False
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.complete = False
+        self.keep_alive = False
+        self.body_sent = False
+        self.client_gone = False
+        self.finished = False
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        if not self.in_use:
+            # A claimant never speaks first; bytes on an idle connection make it unusable.
+            self.transport.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.abort()
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        pool = self.pool
+        if pool is not None:
+            self.pool = None
+            pool.remove(self)
+        for waiter in (self.waiter, self.drain_waiter, self.lost_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        waiter = self.drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in HOP_BY_HOP:
+            if name == b"transfer-encoding":
+                self.framed = True
+            return
+        if name == b"content-length":
+            self.framed = True
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:
+            # An interim reply (103 Early Hints): not passed on; the final reply follows.
+            self.informational = True
+            self.headers = []
+            self.framed = False
+            return
+        self.status = status
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.head:
+            # httptools cannot be told that a HEAD reply has no body, so a fresh parser
+            # takes the next reply on this connection.
+            self.complete = True
+            self.parser = httptools.HttpResponseParser(self)
+
+    def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _READ_LIMIT and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
+        self.complete = True
+
+    # used by the forwarder
+
+    async def wait(self) -> None:
+        """Until the parser or the transport reports something."""
+        waiter = self.waiter = self.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    async def drain(self) -> None:
+        """Until the transport's write buffer is below its high-water mark, or closed."""
+        if self.closed or not self.write_paused:
+            return
+        waiter = self.drain_waiter = self.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self.drain_waiter = None
+
+    def resume_reading(self) -> None:
+        if self.reading_paused:
+            self.reading_paused = False
+            if not self.closed:
+                self.transport.resume_reading()
+
+    def usable(self) -> bool:
+        return not self.closed and not self.transport.is_closing()
+
+
+async def _watch_disconnect(receive: Receive, conn: _Connection) -> None:
+    """Close the claimant's connection when the client goes away before the reply ends.
+
+    Body messages (a router's replayed body, a body the claimant did not read) are
+    skipped; uvicorn also reports `http.disconnect` once the reply is complete, which the
+    `finished` flag tells apart.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+    if not conn.finished:
+        conn.client_gone = True
+        conn.transport.abort()
+
+
+def _write_chunk(transport: asyncio.Transport, chunk: bytes, chunked: bool) -> None:
+    if not chunked:
+        transport.write(chunk)
+    elif len(chunk) < _JOIN_LIMIT:
+        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+    else:
+        transport.write(b"%x\r\n" % len(chunk))
+        transport.write(chunk)
+        transport.write(b"\r\n")
+
+
+def _head_parts(scope: Scope, dropped: frozenset[bytes]) -> tuple[list[bytes], int, bytes | None]:
+    """The request line and forwarded header lines, without the closing blank line.
+
+    Returns the parts, the index of the first content-length value in them (or -1), and
+    the value of the `connection` header (or None).
+    """
+    target = scope.get("raw_path") or quote(scope["path"]).encode("ascii")
+    query = scope.get("query_string")
+    parts = [scope["method"].encode("ascii"), b" ", target]
+    if query:
+        parts.append(b"?")
+        parts.append(query)
+    parts.append(b" HTTP/1.1\r\n")
+    length_at = -1
+    connection = None
+    for name, value in scope["headers"]:
+        if name in dropped:
+            if name == b"connection":
+                connection = value
+            continue
+        if name == b"content-length":
+            if length_at >= 0:
+                continue
+            length_at = len(parts) + 2
+        parts += (name, b": ", value, b"\r\n")
+    return parts, length_at, connection
+
+
+class Forwarder:
+    """One connection pool per claimant socket path; no connection limit; connect timeout only.
+
+    There is no read or total timeout: a reply may stream for as long as the client keeps
+    its connection. Pooled connections idle longer than `idle_timeout`, or closed by the
+    claimant, are dropped when next checked out.
+    """
+
+    def __init__(self, *, connect_timeout: float = 5.0, idle_timeout: float = 15.0) -> None:
+        self.connect_timeout = connect_timeout
+        self.idle_timeout = idle_timeout
+        self.forwarded: int = 0
+        self._pools: dict[str, list[_Connection]] = {}
+        self._closed = False
+
+    async def forward(
+        self,
+        socket_path: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes | None = None,
+    ) -> None:
+        """Forward one http request to the claimant at `socket_path` and stream its reply.
+
+        `body`, if given, is the whole request body, already read by the caller; `receive`
+        is then only watched for the client's disconnect. Raises `ClaimantGone` or
+        `ClaimantUnavailable` before anything was sent to `send`; returns quietly if the
+        client disconnects.
+        """
+        self.forwarded += 1
+        parts, length_at, connection = _head_parts(scope, _NOT_FORWARDED)
+        if connection is not None:
+            # Headers named in `connection` are hop-by-hop too (rare, so a second pass).
+            extra = {token.strip().lower() for token in connection.split(b",")}
+            if not extra <= _CONNECTION_TOKENS:
+                parts, length_at, _ = _head_parts(scope, _NOT_FORWARDED | extra)
+
+        streaming = False
+        if body is None:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before anything was forwarded
+            body = message.get("body", b"")
+            streaming = message.get("more_body", False)
+        chunked = False
+        if not streaming:
+            size = b"%d" % len(body)
+            if length_at >= 0:
+                parts[length_at] = size
+            elif body:
+                parts += (b"content-length: ", size, b"\r\n")
+        elif length_at < 0:
+            chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        head = b"".join(parts)
+
+        # Body chunks already read from `receive` while streaming, kept for one retry.
+        recorded: list[bytes] | None = [body] if streaming else None
+        recorded_size = len(body)
+        more = streaming
+        retried = False
+        is_head = scope["method"] == "HEAD"
+        loop = asyncio.get_running_loop()
+
+        while True:
+            conn = self._checkout(socket_path, loop)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(socket_path, loop)
+            conn.begin(is_head)
+            transport = conn.transport
+            watcher: asyncio.Task[None] | None = None
+            started = False
+            reusable = False
+            try:
+                # The request.
+                if not streaming:
+                    if len(body) < _JOIN_LIMIT:
+                        transport.write(head + body)
+                    else:
+                        transport.write(head)
+                        transport.write(body)
+                    conn.body_sent = True
+                else:
+                    transport.write(head)
+                    if recorded is not None:
+                        for chunk in recorded:
+                            if chunk:
+                                _write_chunk(transport, chunk, chunked)
+                    while more:
+                        if conn.write_paused:
+                            await conn.drain()
+                        if conn.closed or conn.got_bytes:
+                            break  # the claimant answered (or failed) before the body ended
+                        message = await receive()
+                        if message["type"] != "http.request":
+                            return  # the client left; closing the connection tells the claimant
+                        chunk = message.get("body", b"")
+                        more = message.get("more_body", False)
+                        if recorded is not None:
+                            recorded_size += len(chunk)
+                            if recorded_size > _RETRY_LIMIT:
+                                recorded = None
+                            else:
+                                recorded.append(chunk)
+                        if chunk:
+                            _write_chunk(transport, chunk, chunked)
+                    if not more:
+                        if chunked:
+                            transport.write(b"0\r\n\r\n")
+                        conn.body_sent = True
+
+                # The reply.
+                watcher = loop.create_task(_watch_disconnect(receive, conn))
+                while True:
+                    if conn.client_gone:
+                        return
+                    if not started:
+                        if not conn.status:
+                            if conn.closed:
+                                break  # died before the reply began: retry or give up below
+                            await conn.wait()
+                            continue
+                        started = True
+                        await send(
+                            {
+                                "type": "http.response.start",
+                                "status": conn.status,
+                                "headers": conn.headers,
+                            }
+                        )
+                        continue
+                    chunks = conn.chunks
+                    if chunks:
+                        conn.chunks = []
+                        conn.buffered = 0
+                        last = len(chunks) - 1 if conn.complete else -1
+                        if last >= 0:
+                            conn.finished = True
+                        for index, chunk in enumerate(chunks):
+                            await send(
+                                {
+                                    "type": "http.response.body",
+                                    "body": chunk,
+                                    "more_body": index != last,
+                                }
+                            )
+                        if last >= 0:
+                            break
+                        conn.resume_reading()
+                    elif conn.complete:
+                        conn.finished = True
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                        break
+                    elif conn.closed:
+                        if conn.framed or conn.client_gone:
+                            if conn.client_gone:
+                                return
+                            raise ConnectionResetError(
+                                f"the claimant at {socket_path} closed the connection mid-reply"
+                            )
+                        # A reply without content-length or chunking ends at EOF.
+                        conn.finished = True
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                        return
+                    else:
+                        await conn.wait()
+                if started:
+                    reusable = conn.keep_alive and conn.body_sent and conn.usable()
+                    return
+            finally:
+                if watcher is not None and not watcher.done():
+                    watcher.cancel()
+                if reusable:
+                    self._release(socket_path, conn)
+                elif not conn.closed:
+                    conn.transport.abort()
+            # The connection died before the reply's first byte.
+            if (
+                reused
+                and not retried
+                and not conn.got_bytes
+                and (not streaming or recorded is not None)
+            ):
+                retried = True
+                continue
+            raise ClaimantUnavailable(f"the claimant at {socket_path} closed the connection")
+
+    def discard(self, socket_path: str) -> None:
+        """Close the pooled connections to a claimant, e.g. when it died."""
+        pool = self._pools.pop(socket_path, None)
+        if pool:
+            for conn in pool:
+                conn.pool = None
+                conn.transport.abort()
+
+    async def close(self) -> None:
+        """Close every pooled connection; connections in use close when their reply ends."""
+        self._closed = True
+        conns = [conn for pool in self._pools.values() for conn in pool]
+        self._pools.clear()
+        waiters = []
+        for conn in conns:
+            conn.pool = None
+            if not conn.closed:
+                waiter = conn.lost_waiter = conn.loop.create_future()
+                waiters.append(waiter)
+                conn.transport.close()
+        if waiters:
+            await asyncio.gather(*waiters)
+
+    def _checkout(self, socket_path: str, loop: asyncio.AbstractEventLoop) -> _Connection | None:
+        pool = self._pools.get(socket_path)
+        if not pool:
+            return None
+        now = loop.time()
+        while pool:
+            conn = pool.pop()
+            conn.pool = None
+            if conn.usable() and now - conn.idle_since <= self.idle_timeout:
+                conn.in_use = True
+                return conn
+            conn.transport.abort()
+        return None
+
+    def _release(self, socket_path: str, conn: _Connection) -> None:
+        if self._closed:
+            conn.transport.close()
+            return
+        conn.in_use = False
+        conn.resume_reading()
+        now = conn.idle_since = conn.loop.time()
+        pool = self._pools.get(socket_path)
+        if pool is None:
+            pool = self._pools[socket_path] = []
+        # The oldest idle connections are at the bottom; drop those past the idle timeout.
+        while pool and now - pool[0].idle_since > self.idle_timeout:
+            stale = pool.pop(0)
+            stale.pool = None
+            stale.transport.abort()
+        conn.pool = pool
+        pool.append(conn)
+
+    async def _connect(self, socket_path: str, loop: asyncio.AbstractEventLoop) -> _Connection:
+        conn = _Connection(loop)
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await loop.create_unix_connection(lambda: conn, socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            self.discard(socket_path)
+            raise ClaimantGone(f"no claimant listens at {socket_path}") from exc
+        except OSError as exc:  # includes TimeoutError
+            raise ClaimantUnavailable(f"cannot connect to {socket_path}: {exc!r}") from exc
+        return conn
