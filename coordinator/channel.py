@@ -246,7 +246,7 @@ class Channel:
             _log.exception("channel_reader_failed", channel=self.name)
         if not self.closed:
             _log.info("channel_lost", channel=self.name, reason=reason)
-        pass
+        self._begin_close(reason)
 
     def _dispatch(self, message: Message) -> None:
         if isinstance(message, Request | Notification):

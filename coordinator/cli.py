@@ -25,11 +25,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--close-window", type=float, dest="close_window_s",
                      help="seconds a session that is not open keeps its claim (default 300)")
     run.add_argument("--log-format", choices=["console", "json"])
+    demo = commands.add_parser("demo", help="run the whole story on this machine")
+    demo.add_argument("--sessions", type=int, default=1000)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from coordinator.demo import main as demo
+
+        sys.exit(demo([f"--sessions={args.sessions}"]))
     if args.command == "serve":
         if args.workers < 1:
             print("tether serve: --workers must be at least 1", file=sys.stderr)

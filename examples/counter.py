@@ -80,6 +80,7 @@ def create_app(secret: str = SECRET) -> Starlette:
         async with counters.fence.locked(session_id):
             counters.fence.raise_if_closed(session_id)
             counters.counts.setdefault(session_id, 0)
+        request.session["session_id"] = session_id  # so it also works without tether
         return JSONResponse({"session_id": session_id, "worker": _worker(request)})
 
     async def increment(request: Request) -> JSONResponse:

@@ -48,6 +48,7 @@ ErrorCode = Literal[
     "attempt_mismatch",
     "worker_unreported",
     "unsupported_topology",
+    "internal_error",
 ]
 
 ERRORS: dict[ErrorCode, tuple[int, str]] = {
@@ -80,6 +81,7 @@ ERRORS: dict[ErrorCode, tuple[int, str]] = {
     "attempt_mismatch": (409, "attempt beyond the one the held record expects"),
     "worker_unreported": (503, "a worker did not confirm in time"),
     "unsupported_topology": (409, "plain uvicorn with several workers"),
+    "internal_error": (500, "an unexpected failure, logged where it happened"),
 }
 
 assert set(ERRORS) == set(get_args(ErrorCode)), "every code needs a status and meaning"

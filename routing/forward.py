@@ -45,6 +45,7 @@ _CONNECTION_TOKENS = frozenset({b"close", b"keep-alive", b"upgrade", b""})
 _RETRY_LIMIT = 1 << 20  # body bytes kept so a dead kept-alive connection can be retried
 _READ_LIMIT = 1 << 18  # reply bytes buffered before we stop reading the claimant
 _JOIN_LIMIT = 1 << 16  # smaller writes are joined into one buffer
+_WATCH_AFTER_S = 0.02  # how long a reply may take before the client is watched
 
 
 class ClaimantGone(Exception):
@@ -83,6 +84,7 @@ class _Connection(asyncio.Protocol):
         "status",
         "transport",
         "waiter",
+        "watcher",
         "write_paused",
     )
 
@@ -99,6 +101,7 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.drain_waiter: asyncio.Future[None] | None = None
         self.lost_waiter: asyncio.Future[None] | None = None
+        self.watcher: asyncio.Task[None] | None = None
         self.begin(False)
 
     def begin(self, head: bool) -> None:
@@ -226,6 +229,17 @@ class _Connection(asyncio.Protocol):
 
     def usable(self) -> bool:
         return not self.closed and not self.transport.is_closing()
+
+    def watch(self, receive: Receive) -> None:
+        """Start watching the client for a disconnect (a timer calls this)."""
+        if not self.finished and not self.closed:
+            self.watcher = self.loop.create_task(_watch_disconnect(receive, self))
+
+    def unwatch(self) -> None:
+        watcher = self.watcher
+        if watcher is not None:
+            self.watcher = None
+            watcher.cancel()
 
 
 async def _watch_disconnect(receive: Receive, conn: _Connection) -> None:
@@ -356,7 +370,7 @@ class Forwarder:
                 conn = await self._connect(socket_path, loop)
             conn.begin(is_head)
             transport = conn.transport
-            watcher: asyncio.Task[None] | None = None
+            timer: asyncio.TimerHandle | None = None
             started = False
             reusable = False
             try:
@@ -397,8 +411,10 @@ class Forwarder:
                             transport.write(b"0\r\n\r\n")
                         conn.body_sent = True
 
-                # The reply.
-                watcher = loop.create_task(_watch_disconnect(receive, conn))
+                # The reply. Most replies end within a millisecond, so the client is only
+                # watched for a disconnect once one has not: a task per request would add
+                # about 5 us of CPU and an event-loop pass to every forwarded request.
+                timer = loop.call_later(_WATCH_AFTER_S, conn.watch, receive)
                 while True:
                     if conn.client_gone:
                         return
@@ -456,8 +472,9 @@ class Forwarder:
                     reusable = conn.keep_alive and conn.body_sent and conn.usable()
                     return
             finally:
-                if watcher is not None and not watcher.done():
-                    watcher.cancel()
+                if timer is not None:
+                    timer.cancel()
+                    conn.unwatch()
                 if reusable:
                     self._release(socket_path, conn)
                 elif not conn.closed:

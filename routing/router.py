@@ -31,6 +31,7 @@ CONTROL_PREFIX = "/_tether/"
 RETRY_AFTER = [(b"retry-after", b"1")]
 SCOPE_KEY = "tether.session_id"
 WORKER_KEY = "tether.worker"
+ROUTER_KEY = "tether.router"
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Router:
         session_id = found.session_id
         scope[SCOPE_KEY] = session_id
         scope[WORKER_KEY] = self.worker
+        scope[ROUTER_KEY] = self
         if session_id is None:
             target = self.worker if forwarded else self._named_worker(found.worker)
             if target is None:
@@ -285,6 +287,14 @@ def worker_of(scope: Scope) -> str | None:
     """The ID of the worker serving this request, or None outside tether."""
     worker = scope.get(WORKER_KEY)
     return worker if isinstance(worker, str) else None
+
+
+def ended(scope: Scope, session_id: str) -> None:
+    """Tell the router a session ended under a route its kind does not name; its claim
+    then lasts one close window more. Does nothing outside tether."""
+    router = scope.get(ROUTER_KEY)
+    if isinstance(router, Router):
+        router.ended(SessionId(session_id))
 
 
 class _Served:
