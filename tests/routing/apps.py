@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,7 +30,10 @@ def session_app(**kind_options: Any) -> Starlette:
 
     async def seed_session(request: Request) -> JSONResponse:
         # Never reads the session: the start route must claim it anyway.
-        return JSONResponse({"worker": worker_of(request.scope)})
+        body = await request.body()
+        return JSONResponse(
+            {"worker": worker_of(request.scope), "sha256": hashlib.sha256(body).hexdigest()}
+        )
 
     async def touch(request: Request) -> JSONResponse:
         session_id = request.session["session_id"]
