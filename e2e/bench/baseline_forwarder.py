@@ -60,9 +60,7 @@ def create_app(socket_path: str) -> Starlette:
         upstream = await sessions[0].request(
             request.method, url, headers=headers, data=body, allow_redirects=False
         )
-        reply_headers = {
-            k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP
-        }
+        reply_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
         return StreamingResponse(
             upstream.content.iter_any(),
             status_code=upstream.status,
