@@ -52,8 +52,8 @@ class Supervisor:
     async def _spawn(self) -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "coordinator.worker",
+            "-c",
+            "from coordinator.worker import main; main()",
             env=self._env,
             pass_fds=self._pass_fds,
             stdin=asyncio.subprocess.DEVNULL,

@@ -1,8 +1,9 @@
 """A worker process of `tether serve`: the user's app behind the router, registered with
 the coordinator before it accepts a connection (SPEC 3).
 
-Run as `python -m coordinator.worker`; the launcher passes the listening socket as an
-inherited file descriptor and the settings as JSON in `TETHER_WORKER`.
+The supervisor starts it with `python -c "from coordinator.worker import main; main()"`
+(not `-m`, which would import this module twice); the launcher passes the listening
+socket as an inherited file descriptor and the settings as JSON in `TETHER_WORKER`.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def main() -> None:
         log_config=None,
         http="httptools",
             interface="asgi3",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=20,
     )
     worker.server = uvicorn.Server(config)
     worker.server.run(sockets=[listener])

@@ -364,7 +364,7 @@ class Forwarder:
         loop = asyncio.get_running_loop()
 
         while True:
-            conn = self._checkout(socket_path, loop)
+            conn = None if retried else self._checkout(socket_path, loop)
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(socket_path, loop)

@@ -31,7 +31,9 @@ def configure_logging(log_format: LogFormat | None = None, **bound: str) -> None
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per record: workers share stderr, and a record split over two
+        # writes (text, then newline) interleaves with another worker's.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()

@@ -28,9 +28,14 @@ KEEP_ALIVE_S = 75
 class PrivateServer:
     """Serves an ASGI app on a Unix socket for requests other workers forward here."""
 
-    def __init__(self, app: ASGIApp, path: str) -> None:
+    def __init__(
+        self, app: ASGIApp, path: str, *, timeout_graceful_shutdown: int | None = None
+    ) -> None:
+        """`timeout_graceful_shutdown`: how long `stop` lets in-flight requests run before
+        cancelling them (None: as long as they take, like uvicorn's default)."""
         self.app = app
         self.path = path
+        self.timeout_graceful_shutdown = timeout_graceful_shutdown
         self.connections_accepted: int = 0
         self._server: uvicorn.Server | None = None
         self._socket: socket.socket | None = None
@@ -40,6 +45,10 @@ class PrivateServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(self.path)
+        except BaseException:
+            sock.close()  # the path may be another server's socket: leave it
+            raise
+        try:
             # The runtime directory is 0700, so nobody can connect before this chmod.
             os.chmod(self.path, 0o600)
             sock.listen(BACKLOG)
@@ -51,6 +60,7 @@ class PrivateServer:
                 self.app,
                 http=self._protocol_class(),
                 ws="none",
+                # Set, not detected: uvicorn takes a bound method (a router's entry) for ASGI2.
                 interface="asgi3",
                 lifespan="off",
                 log_config=None,
@@ -59,6 +69,7 @@ class PrivateServer:
                 date_header=False,
                 timeout_keep_alive=KEEP_ALIVE_S,
                 backlog=BACKLOG,
+                timeout_graceful_shutdown=self.timeout_graceful_shutdown,
             )
             config.load()
             server = uvicorn.Server(config)

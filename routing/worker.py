@@ -26,6 +26,8 @@ log = structlog.get_logger("tether.worker")
 
 MIN_SWEEP_S = 0.05
 MAX_SWEEP_S = 5.0
+PRIVATE_DRAIN_S = 10
+"""How long a stopping worker lets forwarded requests (streams included) finish."""
 
 
 def socket_path(runtime_dir: str, worker: WorkerId) -> str:
@@ -81,7 +83,11 @@ class RoutingWorker:
         )
         if runtime_dir is not None:
             os.makedirs(os.path.join(runtime_dir, "w"), mode=0o700, exist_ok=True)
-            self.private = PrivateServer(self.router.serve_forwarded, self.socket_path(self.id))
+            self.private = PrivateServer(
+                self.router.serve_forwarded,
+                self.socket_path(self.id),
+                timeout_graceful_shutdown=PRIVATE_DRAIN_S,
+            )
 
     def socket_path(self, worker: WorkerId) -> str:
         assert self.runtime_dir is not None

@@ -51,6 +51,7 @@ class Claimant:
                 Route("/long", self.long),
                 Route("/slow", self.slow),
                 Route("/hang", self.hang),
+                Route("/early", self.early, methods=["POST"]),
             ]
         )
 
@@ -111,6 +112,9 @@ class Claimant:
 
         return StreamingResponse(chunks())
 
+    async def early(self, request: Request) -> Response:
+        return PlainTextResponse("too large", status_code=413)
+
     async def hang(self, request: Request) -> Response:
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -131,6 +135,7 @@ class Front:
         self.read_body_first = False
         self.scopes: list[Scope] = []
         self.sent: list[Message] = []
+        self.outcomes: list[str] = []  # how each forward call ended
         self.url = ""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -153,15 +158,23 @@ class Front:
         try:
             await self.forwarder.forward(self.socket_path, scope, receive, recording_send, body)
         except ClaimantGone:
+            self.outcomes.append("gone")
             await send_error(send, TetherError("session_gone"))
         except ClaimantUnavailable:
+            self.outcomes.append("unavailable")
             await send_error(send, TetherError("claimant_unavailable"))
+        except BaseException as exc:
+            self.outcomes.append(repr(exc))
+            raise
+        else:
+            self.outcomes.append("returned")
 
 
 @pytest.fixture
 async def claimant(short_tmp: Path) -> AsyncIterator[tuple[Claimant, PrivateServer]]:
     state = Claimant()
-    private = PrivateServer(state.app, str(short_tmp / "w.sock"))
+    # A bounded shutdown, so a failing test cannot hang in teardown.
+    private = PrivateServer(state.app, str(short_tmp / "w.sock"), timeout_graceful_shutdown=2)
     await private.start()
     try:
         yield state, private
@@ -183,7 +196,14 @@ async def serve_front(app: Any) -> tuple[uvicorn.Server, asyncio.Task[None], str
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)
     sock.setblocking(False)
-    config = uvicorn.Config(app, lifespan="off", log_config=None, http="httptools", ws="none")
+    config = uvicorn.Config(
+        app,
+        lifespan="off",
+        log_config=None,
+        http="httptools",
+        ws="none",
+        timeout_graceful_shutdown=2,
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     await wait_until(lambda: server.started or task.done())
@@ -343,6 +363,18 @@ async def test_a_head_request_gets_headers_only_and_keeps_the_connection(
     assert claimant[1].connections_accepted == 1
 
 
+async def test_a_claimant_that_answers_before_reading_the_body_is_passed_on(
+    front: Front, client: httpx.AsyncClient
+) -> None:
+    reply = await client.post("/early", content=b"x" * (9 * 1024 * 1024))
+    again = await client.get("/echo/x")
+
+    assert reply.status_code == 413
+    assert reply.text == "too large"
+    assert again.status_code == 200
+    assert front.outcomes == ["returned", "returned"]
+
+
 # 2. a streaming reply stays streaming
 
 
@@ -447,6 +479,8 @@ async def test_a_client_that_disconnects_mid_stream_cancels_the_claimants_handle
 
     async with asyncio.timeout(BOUND):
         await state.cancelled.wait()
+    await wait_until(lambda: bool(front.outcomes))
+    assert front.outcomes == ["returned"]  # a disconnect is not an error
 
 
 # 7. a dead claimant
@@ -577,6 +611,34 @@ async def test_a_pooled_connection_to_a_restarted_claimant_is_discarded(
     assert private.connections_accepted == 2
 
 
+async def test_a_connection_idle_longer_than_the_idle_timeout_is_not_reused(
+    claimant: tuple[Claimant, PrivateServer],
+) -> None:
+    private = claimant[1]
+    forwarder = Forwarder(idle_timeout=0.0)
+    try:
+        for _ in range(2):
+            io = Recorder()
+            await forwarder.forward(private.path, direct_scope(), io.receive, io.send)
+            assert io.status == 200
+    finally:
+        await forwarder.close()
+
+    assert private.connections_accepted == 2
+
+
+async def test_discard_drops_the_pool_of_a_claimant(
+    claimant: tuple[Claimant, PrivateServer], forwarder: Forwarder
+) -> None:
+    private = claimant[1]
+    for _ in range(2):
+        io = Recorder()
+        await forwarder.forward(private.path, direct_scope(), io.receive, io.send)
+        forwarder.discard(private.path)
+
+    assert private.connections_accepted == 2
+
+
 # 9. the private server is quiet
 
 
@@ -595,9 +657,12 @@ async def test_the_private_server_writes_no_access_log_and_leaves_uvicorns_logge
         loggers = [logging.getLogger(name) for name in names]
         return [(list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers]
 
+    # Configured as a worker's own uvicorn configures it, so any access line would show.
     access = logging.getLogger("uvicorn.access")
     handler = Collect()
-    access.addHandler(handler)  # as a worker's own uvicorn would have configured it
+    access.addHandler(handler)
+    level = access.level
+    access.setLevel(logging.INFO)
     try:
         before = snapshot()
         state = Claimant()
@@ -613,6 +678,7 @@ async def test_the_private_server_writes_no_access_log_and_leaves_uvicorns_logge
         assert snapshot() == before
     finally:
         access.removeHandler(handler)
+        access.setLevel(level)
 
     assert records == []
     assert os.listdir(short_tmp) == []
@@ -622,3 +688,38 @@ async def test_the_private_socket_file_is_private(
     claimant: tuple[Claimant, PrivateServer],
 ) -> None:
     assert os.stat(claimant[1].path).st_mode & 0o777 == 0o600
+
+
+async def test_a_bound_method_app_is_served_as_asgi3(short_tmp: Path) -> None:
+    class Entry:
+        async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    private = PrivateServer(Entry().serve, str(short_tmp / "m.sock"))
+    await private.start()
+    try:
+        transport = httpx.AsyncHTTPTransport(uds=private.path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://c") as direct:
+            assert (await direct.get("/")).status_code == 204
+    finally:
+        await private.stop()
+
+
+async def test_start_on_a_path_in_use_fails_and_leaves_the_other_socket_alone(
+    claimant: tuple[Claimant, PrivateServer],
+) -> None:
+    other = PrivateServer(claimant[0].app, claimant[1].path)
+
+    with pytest.raises(OSError, match="in use"):
+        await other.start()
+
+    assert os.stat(claimant[1].path).st_mode & 0o777 == 0o600
+    io = Recorder()
+    async with asyncio.timeout(BOUND):
+        forwarder = Forwarder()
+        try:
+            await forwarder.forward(claimant[1].path, direct_scope(), io.receive, io.send)
+        finally:
+            await forwarder.close()
+    assert io.status == 200

@@ -1,0 +1,328 @@
+"""The checkpointer: runs the phase machine and carries out its actions on a fleet.
+
+The same object serves the control API in-process (plain uvicorn, one worker) and, in
+the coordinator, across N workers; only the `Fleet` differs. It owns one background
+task, the lease timer, which `start`/`stop` manage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from checkpoint import phases as ph
+from checkpoint.fleet import Fleet
+from checkpoint.segments import read_index
+from checkpoint.store import begin_commit, load_checkpoint
+from routing.errors import TetherError
+
+log = structlog.get_logger("tether.checkpoint")
+
+READINESS_POLL_S = 0.05
+
+
+class Checkpointer:
+    """One participant's checkpoint protocol (SPEC 5.2-5.9) over a fleet of workers."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        name: str | None,
+        root: str | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.fleet = fleet
+        self.name = name
+        self.root = root
+        self.clock = clock
+        self.machine = ph.PhaseMachine()
+        self._running: dict[ph.CallKey, asyncio.Future[Any]] = {}
+        self._changed = asyncio.Event()
+        self._rearm = asyncio.Event()
+        self._timer: asyncio.Task[None] | None = None
+        self._blockers: list[dict[str, Any]] = []
+        fleet.on_change(self._changed.set)
+
+    # Lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._timer = asyncio.create_task(self._lease_timer(), name="tether-lease")
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
+
+    # Control calls (bodies already validated) -------------------------------------
+
+    async def call(self, route: str, body: dict[str, Any]) -> Any:
+        """Answer one control call; raises `TetherError` with the contract's code."""
+        if route == "status":
+            return await self.status()
+        if route == "forget":
+            return {"forgotten": await self.fleet.forget(body["episode_ids"])}
+        if route in ("prepare", "commit", "restore"):
+            self._where()
+        now = self.clock()
+        cid = body.get("checkpoint_id", "")
+        deadline = body.get("deadline_s") or ph.DEFAULT_DEADLINE_S
+        if route == "prepare":
+            step = self.machine.prepare(
+                cid, now, deadline_s=deadline, lease_s=body.get("lease_s") or ph.DEFAULT_LEASE_S,
+                published=self._published(cid),
+            )
+        elif route == "commit":
+            step = self.machine.commit(
+                cid, now, scope=body.get("scope"), deadline_s=deadline,
+                published=self._published(cid),
+            )
+        elif route == "resume":
+            step = self.machine.resume(cid, now)
+        elif route == "renew":
+            step = self.machine.renew(cid, now, lease_s=body.get("lease_s") or ph.DEFAULT_LEASE_S)
+        elif route == "restore":
+            step = self.machine.restore(
+                cid, now, fresh=await self.fleet.fresh(), scope=body.get("scope"),
+                deadline_s=deadline, dry_run=bool(body.get("dry_run")),
+            )
+        elif route == "abort_restore":
+            step = self.machine.abort_restore(cid, now)
+        elif route == "retire":
+            step = self.machine.retire(
+                body["episode_id"], body["attempt"], now, deadline_s=deadline
+            )
+        else:
+            raise TetherError("invalid_request", f"unknown control call {route!r}")
+        answer = await self._carry_out(step, route, body)
+        return _render(answer)
+
+    async def status(self) -> dict[str, Any]:
+        status = self.machine.status(self.clock()).result()
+        assert isinstance(status, ph.Status)
+        return {
+            "name": self.name,
+            "phase": status.phase,
+            "checkpoint_id": status.checkpoint_id,
+            "lease_expires_at": status.lease_expires_at,
+            "expected_workers": self.fleet.expected_workers,
+            "workers": await self.fleet.workers(),
+            "held_episodes": self.fleet.held_episodes(),
+            "lost_episodes": [],
+            "tables": {"placed_sessions": 0, "owner_aliases": 0},
+            "blockers": self._blockers[: ph.MAX_BLOCKERS],
+            "blockers_total": len(self._blockers),
+            "checkpoint_root": self.root,
+        }
+
+    # Carrying out a step -----------------------------------------------------------
+
+    async def _carry_out(self, step: ph.Step, route: str, body: dict[str, Any]) -> Any:
+        self._rearm.set()
+        answer: Any = step.answer
+        for action in step.actions:
+            result = await self._act(action, route, body)
+            if result is not None:
+                answer = result
+        if isinstance(answer, TetherError):
+            raise answer
+        return answer
+
+    async def _act(self, action: ph.Action, route: str, body: dict[str, Any]) -> Any:
+        """Carry out one action; return the call's answer if the action produced it."""
+        if isinstance(action, ph.CloseAdmission):
+            await self.fleet.close_admission()
+            log.info("admission_closed", checkpoint_id=action.checkpoint_id)
+        elif isinstance(action, ph.OpenAdmission):
+            await self.fleet.open_admission()
+            self._blockers = []
+            log.info("admission_opened", checkpoint_id=action.checkpoint_id)
+        elif isinstance(action, ph.LogExpired):
+            log.warning("lease_expired", checkpoint_id=action.checkpoint_id, phase=action.phase)
+        elif isinstance(action, ph.WaitReady):
+            return await self._wait_ready(action)
+        elif isinstance(action, ph.RecheckReadiness):
+            return None  # WriteCheckpoint re-checks right before it writes
+        elif isinstance(action, ph.WriteCheckpoint):
+            return await self._shared(action.key, self._commit(action))
+        elif isinstance(action, ph.StartRestore):
+            return await self._shared(action.key, self._restore(action))
+        elif isinstance(action, ph.ReleaseInstalled):
+            return await self._shared(action.key, self._abort(action))
+        elif isinstance(action, ph.Retire):
+            retired = await self.fleet.retire(action.episode_id, action.attempt)
+            return {"retired": retired}
+        elif isinstance(action, ph.Join):
+            future = self._running.get(action.key)
+            if future is not None:
+                return await asyncio.shield(future)
+        elif isinstance(action, ph.RetryAfter):
+            future = self._running.get(action.key)
+            if future is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(future)
+            return await self.call(route, body)
+        return None
+
+    async def _shared(self, key: ph.CallKey, work: Any) -> Any:
+        """Run one commit, restore or abort; a retry of the same call joins it."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._running[key] = future
+        try:
+            answer = await work
+            future.set_result(answer)
+        except BaseException as error:
+            future.set_exception(error)
+            future.exception()  # retrieved here; joiners re-raise it
+            raise
+        finally:
+            del self._running[key]
+        return answer
+
+    async def _wait_ready(self, action: ph.WaitReady) -> Any:
+        while True:
+            self._changed.clear()
+            blockers = await self.fleet.blockers()
+            self._blockers = blockers
+            now = self.clock()
+            if not blockers:
+                step = self.machine.handle(ph.Ready(action.checkpoint_id), now)
+                break
+            if now >= action.deadline:
+                step = self.machine.handle(
+                    ph.ReadinessTimeout(action.checkpoint_id, blockers[: ph.MAX_BLOCKERS],
+                                        len(blockers)),
+                    now,
+                )
+                break
+            wait = min(READINESS_POLL_S, action.deadline - now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), wait)
+        return await self._carry_out(step, "prepare", {})
+
+    async def _commit(self, action: ph.WriteCheckpoint) -> Any:
+        cid = action.key.checkpoint_id
+        started = time.perf_counter()
+        event: ph.Event
+        blockers = await self.fleet.blockers()
+        if blockers:
+            event = ph.CommitFailed(cid, "not_ready", {"blockers": blockers[: ph.MAX_BLOCKERS],
+                                                       "blockers_total": len(blockers)})
+            return await self._carry_out(self.machine.handle(event, self.clock()), "commit", {})
+        try:
+            async with asyncio.timeout(max(action.deadline - self.clock(), 0.001)):
+                manifest = await self._write(cid, action.key.scope)
+            event = ph.CommitDone(cid, manifest)
+        except TimeoutError:
+            event = ph.CommitFailed(cid, "deadline_exceeded", "the commit missed its deadline")
+        except TetherError as error:
+            code = error.code if error.code in ("stale_checkpoint", "commit_failed") else None
+            event = ph.CommitFailed(cid, code or "commit_failed", error.detail)
+        except OSError as error:
+            event = ph.CommitFailed(cid, "commit_failed", str(error))
+        log.info(
+            "commit_finished",
+            checkpoint_id=cid,
+            ok=isinstance(event, ph.CommitDone),
+            seconds=round(time.perf_counter() - started, 3),
+        )
+        return await self._carry_out(self.machine.handle(event, self.clock()), "commit", {})
+
+    async def _write(self, cid: str, scope: frozenset[str] | None) -> dict[str, Any]:
+        root, name = self._where()
+        pending = await asyncio.to_thread(begin_commit, root, cid, name)
+        try:
+            workers, segments = await self.fleet.export(pending, scope)
+            fields: Any = {
+                "workers": workers,
+                "owner_aliases": {},
+                "state_version": self.fleet.state_version,
+                "records": await asyncio.to_thread(_count, segments, Path(pending.temp_dir)),
+                "segments": segments,
+            }
+            return await asyncio.to_thread(pending.publish, fields)
+        except BaseException:
+            await asyncio.to_thread(pending.abort)
+            raise
+
+    async def _restore(self, action: ph.StartRestore) -> Any:
+        key = action.key
+        event: ph.Event
+        root, name = self._where()
+        try:
+            async with asyncio.timeout(max(action.deadline - self.clock(), 0.001)):
+                checkpoint = await asyncio.to_thread(load_checkpoint, root, key.checkpoint_id, name)
+                answer = await self.fleet.restore(checkpoint, key.scope, key.dry_run)
+            event = ph.RestoreDone(key.checkpoint_id, answer)
+        except TimeoutError:
+            event = ph.RestoreFailed(key.checkpoint_id, "deadline_exceeded", "restore timed out")
+        except TetherError as error:
+            event = ph.RestoreFailed(key.checkpoint_id, error.code, error.detail)
+        log.info("restore_finished", checkpoint_id=key.checkpoint_id,
+                 ok=isinstance(event, ph.RestoreDone), dry_run=key.dry_run)
+        return await self._carry_out(self.machine.handle(event, self.clock()), "restore", {})
+
+    async def _abort(self, action: ph.ReleaseInstalled) -> Any:
+        try:
+            await self.fleet.release_installed()
+        finally:
+            step = self.machine.handle(ph.AbortDone(action.key.checkpoint_id), self.clock())
+        return await self._carry_out(step, "abort_restore", {})
+
+    def _where(self) -> tuple[str, str]:
+        if self.root is None or self.name is None:
+            raise TetherError("invalid_request", "this server has no checkpoint root or name")
+        return self.root, self.name
+
+    def _published(self, checkpoint_id: str) -> bool:
+        if self.root is None or self.name is None:
+            return False
+        return (Path(self.root) / checkpoint_id / self.name).is_dir()
+
+    async def _lease_timer(self) -> None:
+        while True:
+            self._rearm.clear()
+            deadline = self.machine.next_deadline()
+            wait = 3600.0 if deadline is None else max(deadline - self.clock(), 0.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rearm.wait(), wait)
+            if self._rearm.is_set():
+                continue
+            try:
+                await self._carry_out(self.machine.tick(self.clock()), "tick", {})
+            except TetherError:
+                log.exception("lease_tick_failed")
+
+
+def _count(segments: list[Any], directory: Path) -> dict[str, int]:
+    counts = {"sessions": 0, "episodes": 0}
+    for segment in segments:
+        for entry in read_index(directory / segment["file"]):
+            counts["sessions" if entry.kind == "session" else "episodes"] += 1
+    return counts
+
+
+def _render(answer: Any) -> Any:
+    if isinstance(answer, ph.PrepareAnswer):
+        return {"state": answer.state, "blockers": list(answer.blockers),
+                "blockers_total": answer.blockers_total,
+                "lease_expires_at": answer.lease_expires_at}
+    if isinstance(answer, ph.CommitAnswer):
+        return dict(answer.manifest)
+    if isinstance(answer, ph.ResumeAnswer):
+        return {"phase": "open"}
+    if isinstance(answer, ph.RenewAnswer):
+        return {"lease_expires_at": answer.lease_expires_at}
+    if isinstance(answer, ph.RestoreAnswer):
+        return dict(answer.answer)
+    if isinstance(answer, ph.AbortAnswer):
+        return {"phase": "open", "fresh": True}
+    return answer

@@ -1,0 +1,182 @@
+"""The workers a checkpointer drives, behind one interface.
+
+`LocalFleet` is one in-process participant (plain uvicorn, or a server with one worker);
+the coordinator supplies a fleet of N workers over its channel with the same interface,
+so the checkpointer itself never changes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from checkpoint.participant import Participant
+from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit
+from routing.errors import TetherError
+
+
+class Fleet(Protocol):
+    """The worker side of one server, as the checkpointer needs it."""
+
+    expected_workers: int
+    state_version: str | None
+
+    def on_change(self, callback: Callable[[], None]) -> None: ...
+
+    async def close_admission(self) -> None: ...
+
+    async def open_admission(self) -> None: ...
+
+    async def blockers(self) -> list[dict[str, Any]]:
+        """Every worker's blockers, merged; empty when the server is ready."""
+        ...
+
+    async def fresh(self) -> bool: ...
+
+    async def export(
+        self, pending: PendingCommit, scope: frozenset[str] | None
+    ) -> tuple[list[str], list[ManifestSegment]]:
+        """Every worker writes its own segment; returns the worker IDs and segments."""
+        ...
+
+    async def restore(
+        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool
+    ) -> dict[str, Any]:
+        """Install every worker's records, all or nothing; returns the restore answer."""
+        ...
+
+    async def release_installed(self) -> None: ...
+
+    async def retire(self, episode_id: str, attempt: int) -> list[dict[str, Any]]: ...
+
+    async def forget(self, episode_ids: list[str]) -> list[str]: ...
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """Each worker's line in status."""
+        ...
+
+    def held_episodes(self) -> list[dict[str, Any]]: ...
+
+
+class LocalFleet:
+    """One participant in this process. `worker` is the record owner (None without
+    routing); `is_open` says whether the router counts a session as open."""
+
+    expected_workers = 1
+
+    def __init__(
+        self,
+        participant: Participant,
+        worker: str | None = None,
+        is_open: Callable[[str], bool] = lambda session_id: True,
+        stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.participant = participant
+        self.state_version = participant.state_version
+        self.worker = worker
+        self.is_open = is_open
+        self._stats = stats
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self.participant.on_change(callback)
+
+    async def close_admission(self) -> None:
+        self.participant.close_admission()
+
+    async def open_admission(self) -> None:
+        self.participant.open_admission()
+
+    async def blockers(self) -> list[dict[str, Any]]:
+        return self.participant.blockers()
+
+    async def fresh(self) -> bool:
+        return self.participant.is_fresh()
+
+    async def export(
+        self, pending: PendingCommit, scope: frozenset[str] | None
+    ) -> tuple[list[str], list[ManifestSegment]]:
+        name = self.worker or _local_worker_name()
+        info = await self.participant.export(
+            pending.segment_path(name), scope, self.worker, self.is_open
+        )
+        return [name], [{**info, "worker": name}]
+
+    async def restore(
+        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool
+    ) -> dict[str, Any]:
+        version = checkpoint.manifest.get("state_version")
+        if version != self.participant.state_version:
+            raise TetherError(
+                "incompatible_state",
+                f"the checkpoint holds state version {version!r}, "
+                f"this app {self.participant.state_version!r}",
+            )
+        sessions = [e for s in checkpoint.segments for e in s.entries if e.kind == "session"]
+        if sessions and self.participant.provider is None:
+            raise TetherError("incompatible_state", "the app registers no session state")
+        episodes = [
+            (segment, entry)
+            for segment in checkpoint.segments
+            for entry in segment.entries
+            if entry.kind == "episode" and (scope is None or entry.id in scope)
+        ]
+        answer = {
+            "installed_sessions": len(sessions),
+            "held_episodes": [
+                {"episode_id": e.id, "attempt_to_send": (e.attempt or 0) + 1}
+                for _, e in episodes
+            ],
+            "placed_sessions": 0,
+            "owner_aliases": 0,
+        }
+        if dry_run:
+            return answer
+        try:
+            for segment in checkpoint.segments:
+                mine = [e for e in segment.entries if e.kind == "session"]
+                if mine:
+                    await self.participant.install(segment.path, mine)
+            for segment, entry in episodes:
+                self.participant.hold(entry.id, entry.attempt or 0, segment.path, entry)
+        except BaseException:
+            await self.participant.release_all()
+            raise
+        self.participant.restored = True
+        return answer
+
+    async def release_installed(self) -> None:
+        await self.participant.release_all()
+
+    async def retire(self, episode_id: str, attempt: int) -> list[dict[str, Any]]:
+        return [self.participant.retire(episode_id, attempt)]
+
+    async def forget(self, episode_ids: list[str]) -> list[str]:
+        return self.participant.forget(episode_ids)
+
+    async def workers(self) -> list[dict[str, Any]]:
+        base = self._stats() if self._stats is not None else {
+            "id": self.worker, "pid": os.getpid(), "claims": 0, "forwarded": 0,
+            "served_forwarded": 0,
+        }
+        provider = self.participant.provider
+        return [{
+            **base,
+            "sessions": sum(1 for _ in provider.sessions()) if provider else 0,
+            "episodes": len(self.participant.episodes),
+        }]
+
+    def held_episodes(self) -> list[dict[str, Any]]:
+        return _held(self.participant.held.values())
+
+
+def _held(records: Iterable[Any]) -> list[dict[str, Any]]:
+    return [
+        {"episode_id": h.episode_id, "attempt_to_send": h.attempt + 1}
+        for h in records
+        if h.claimed_by is None
+    ]
+
+
+def _local_worker_name() -> str:
+    return "0" * 32

@@ -1,0 +1,364 @@
+"""The worker side of a checkpoint (SPEC 5.1, 5.3, 5.8, 5.9): what the app registers,
+admission while a checkpoint is open, readiness, episodes and their boundaries, and the
+export and install of this worker's records.
+
+One `Participant` lives in each worker. It never decides a phase: whoever runs the phase
+machine (in-process, or the coordinator over the channel) tells it to close or open
+admission, asks for readiness, and asks it to export or install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from checkpoint.segments import IndexEntry, SegmentInfo, SegmentWriter, read_records
+from routing.errors import TetherError
+from routing.types import SessionId
+
+log = structlog.get_logger("tether.participant")
+
+EXPORT_BATCH = 512
+"""Records packed on the event loop between two hand-offs to the writer thread."""
+
+
+class SessionState(Protocol):
+    """Session state the app keeps on this worker, as a checkpoint sees it."""
+
+    def sessions(self) -> Iterable[str]:
+        """The IDs of the sessions this worker holds."""
+        ...
+
+    def holds(self, session_id: str) -> bool: ...
+
+    def export(self, session_id: str) -> Any:
+        """The session's state as a plain msgpack value."""
+        ...
+
+    async def install(self, session_id: str, state: Any) -> None: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+    def busy(self, session_id: str) -> bool:
+        """Whether the session is in the middle of work a checkpoint must wait for."""
+        ...
+
+
+@dataclass
+class Held:
+    """A parked episode record this server holds until attempt+1 claims it."""
+
+    episode_id: str
+    attempt: int
+    path: Path | None = None
+    entry: IndexEntry | None = None
+    state: Any = None
+    claimed_by: str | None = None
+
+    def load(self) -> Any:
+        """The record's state (read from its segment unless handed back in memory)."""
+        if self.path is None or self.entry is None:
+            return self.state
+        [record] = list(read_records(self.path, [self.entry]))
+        return record["state"]
+
+
+@dataclass
+class Episode:
+    """One running episode: `await boundary(state)` between steps."""
+
+    participant: Participant
+    episode_id: str
+    attempt: int
+    resumed: Any = None
+    """The state it continues from, for a restored record; None when new."""
+    state: Any = None
+    boundaries: int = 0
+    parked: bool = False
+
+    async def boundary(self, state: Any) -> None:
+        """Record a safe point; park here while a checkpoint is open."""
+        self.participant.check_attempt(self.episode_id, self.attempt)
+        self.state = state
+        self.boundaries += 1
+        if self.participant.admission_closed:
+            self.parked = True
+            self.participant.changed()
+            try:
+                await self.participant.wait_open()
+            finally:
+                self.parked = False
+            self.participant.check_attempt(self.episode_id, self.attempt)
+
+
+class Participant:
+    """What one worker's app registers for checkpoints, and its checkpoint-time duties."""
+
+    def __init__(self, *, state_version: str | None = None) -> None:
+        self.state_version = state_version
+        self.provider: SessionState | None = None
+        self.worker: str | None = None
+        self.episodes: dict[tuple[str, int], Episode] = {}
+        self.held: dict[str, Held] = {}
+        self.retired: dict[str, int] = {}
+        self._in_progress: dict[str, int] = {}
+        self._open = asyncio.Event()
+        self._open.set()
+        self._changed: list[Callable[[], None]] = []
+        self.restored = False
+
+    # Registration --------------------------------------------------------------
+
+    def register_sessions(self, provider: SessionState) -> None:
+        """Register the app's session state (one provider per participant)."""
+        self.provider = provider
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call `callback` whenever readiness may have changed."""
+        self._changed.append(callback)
+
+    def changed(self) -> None:
+        for callback in self._changed:
+            callback()
+
+    # Admission (SPEC 5.3) -------------------------------------------------------
+
+    @property
+    def admission_closed(self) -> bool:
+        return not self._open.is_set()
+
+    def close_admission(self) -> None:
+        self._open.clear()
+
+    def open_admission(self) -> None:
+        self._open.set()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
+
+    def holds(self, session_id: str) -> bool:
+        return self.provider is not None and self.provider.holds(session_id)
+
+    async def enter(
+        self, session_id: SessionId | None, stateless: bool, background: bool
+    ) -> Callable[[], None] | None:
+        """Admit one request: wait while closed if it names a session held here, serve
+        stateless routes, refuse everything else with 503 `checkpoint_parked`.
+
+        Returns the call that ends the request's tracking, or None when it is not tracked
+        (background streams, stateless routes, requests of no held session)."""
+        if background:
+            return None
+        held = session_id is not None and self.holds(session_id)
+        if self.admission_closed:
+            if stateless:
+                return None
+            if not held:
+                raise TetherError("checkpoint_parked", "a checkpoint is open; retry shortly")
+            await self.wait_open()
+        if session_id is None or not held:
+            return None
+        key = str(session_id)
+        self._in_progress[key] = self._in_progress.get(key, 0) + 1
+
+        def leave() -> None:
+            count = self._in_progress[key] - 1
+            if count:
+                self._in_progress[key] = count
+            else:
+                del self._in_progress[key]
+                self.changed()
+
+        return leave
+
+    # Readiness (SPEC 5.2) -------------------------------------------------------
+
+    def blockers(self) -> list[dict[str, Any]]:
+        """Why this worker is not ready; empty when it is."""
+        found: list[dict[str, Any]] = []
+        worker = self.worker
+        for session_id in self._in_progress:
+            found.append(_blocker("session_busy", worker, session_id, "a request is in progress"))
+        if self.provider is not None:
+            for session_id in self.provider.sessions():
+                if session_id not in self._in_progress and self.provider.busy(session_id):
+                    found.append(_blocker("session_busy", worker, session_id, "the app is busy"))
+        for episode in self.episodes.values():
+            if not episode.parked:
+                found.append(
+                    _blocker(
+                        "episode_running",
+                        worker,
+                        episode.episode_id,
+                        f"attempt {episode.attempt} has not reached a boundary",
+                    )
+                )
+        return found
+
+    # Episodes (SPEC 5.1, 5.8, 5.9) ---------------------------------------------
+
+    def check_attempt(self, episode_id: str, attempt: int) -> None:
+        """409 `stale_attempt` for a retired attempt or an older one."""
+        retired = self.retired.get(episode_id)
+        if retired is not None and attempt <= retired:
+            raise TetherError(
+                "stale_attempt", f"attempt {attempt} of {episode_id!r} is retired (<= {retired})"
+            )
+
+    @contextlib.asynccontextmanager
+    async def episode(self, episode_id: str, attempt: int) -> AsyncIterator[Episode]:
+        """Run one episode attempt; a restored record of attempt-1 is continued once."""
+        if self.admission_closed:
+            raise TetherError("checkpoint_parked", "a checkpoint is open; retry shortly")
+        self.check_attempt(episode_id, attempt)
+        if (episode_id, attempt) in self.episodes:
+            raise TetherError("episode_claimed", {"worker": self.worker})
+        held = self._claim_held(episode_id, attempt)
+        episode = Episode(self, episode_id, attempt)
+        if held is not None:
+            episode.resumed = episode.state = await asyncio.to_thread(held.load)
+        self.episodes[(episode_id, attempt)] = episode
+        self.changed()
+        finished = False
+        try:
+            yield episode
+            finished = True
+        finally:
+            del self.episodes[(episode_id, attempt)]
+            if held is not None and finished:
+                self.held.pop(episode_id, None)  # continued exactly once
+            elif held is not None:
+                self._hand_back(episode, held)
+            self.changed()
+
+    def _claim_held(self, episode_id: str, attempt: int) -> Held | None:
+        held = self.held.get(episode_id)
+        if held is None:
+            return None
+        if attempt <= held.attempt:
+            raise TetherError(
+                "stale_attempt", f"the held record of {episode_id!r} is attempt {held.attempt}"
+            )
+        if attempt > held.attempt + 1:
+            raise TetherError(
+                "attempt_mismatch",
+                {"expected": held.attempt + 1, "message": f"{episode_id!r} continues once"},
+            )
+        if held.claimed_by is not None:
+            raise TetherError("episode_claimed", {"worker": held.claimed_by})
+        held.claimed_by = self.worker or "local"
+        return held
+
+    def _hand_back(self, episode: Episode, held: Held) -> None:
+        """A claimed request ended early: hold its latest boundary state again, for the
+        same attempt."""
+        if episode.boundaries:
+            held.path = held.entry = None
+            held.state = episode.state
+        held.claimed_by = None
+        self.held[episode.episode_id] = held
+
+    def retire(self, episode_id: str, attempt: int) -> dict[str, Any]:
+        """Mark the attempt (and older) retired, stop its work, drop held records."""
+        self.retired[episode_id] = max(attempt, self.retired.get(episode_id, attempt))
+        stopped = sum(
+            1 for (eid, a) in self.episodes if eid == episode_id and a <= attempt
+        )
+        dropped = 0
+        held = self.held.get(episode_id)
+        if held is not None and held.attempt + 1 <= attempt:
+            del self.held[episode_id]
+            dropped = 1
+        return {"episode_id": episode_id, "attempt": attempt, "stopped": stopped,
+                "dropped_held": dropped}
+
+    def forget(self, episode_ids: Iterable[str]) -> list[str]:
+        return [eid for eid in episode_ids if self.retired.pop(eid, None) is not None]
+
+    # Export and install (SPEC 5.1, 5.6, 5.10) ----------------------------------
+
+    def is_fresh(self) -> bool:
+        has_sessions = self.provider is not None and any(True for _ in self.provider.sessions())
+        return not (has_sessions or self.episodes or self.held or self.restored)
+
+    async def export(
+        self,
+        path: Path,
+        scope: frozenset[str] | None,
+        owner: str | None,
+        is_open: Callable[[str], bool],
+    ) -> SegmentInfo:
+        """Write this worker's records to its segment, packing on the loop in batches and
+        writing in a thread. Parked episodes and unclaimed held records in `scope` go in
+        (held ones relabelled to the attempt that would have claimed them)."""
+        writer = SegmentWriter(path)
+        try:
+            batch: list[dict[str, Any]] = []
+            for record in self._records(scope, owner, is_open):
+                batch.append(record)
+                if len(batch) >= EXPORT_BATCH:
+                    await asyncio.to_thread(_add_all, writer, batch)
+                    batch = []
+            await asyncio.to_thread(_add_all, writer, batch)
+            return await asyncio.to_thread(writer.close)
+        except BaseException:
+            await asyncio.to_thread(writer.discard)
+            raise
+
+    def _records(
+        self, scope: frozenset[str] | None, owner: str | None, is_open: Callable[[str], bool]
+    ) -> Iterable[dict[str, Any]]:
+        if self.provider is not None:
+            for session_id in list(self.provider.sessions()):
+                yield {
+                    "kind": "session",
+                    "id": session_id,
+                    "open": is_open(session_id),
+                    "owner": owner,
+                    "state": self.provider.export(session_id),
+                }
+        for episode in self.episodes.values():
+            if episode.parked and (scope is None or episode.episode_id in scope):
+                yield {"kind": "episode", "episode_id": episode.episode_id,
+                       "attempt": episode.attempt, "state": episode.state}
+        for held in list(self.held.values()):
+            if held.claimed_by is None and (scope is None or held.episode_id in scope):
+                yield {"kind": "episode", "episode_id": held.episode_id,
+                       "attempt": held.attempt + 1, "state": held.load()}
+
+    async def install(self, path: Path, entries: list[IndexEntry]) -> int:
+        """Install this worker's sessions from one segment; returns how many."""
+        assert self.provider is not None, "no session state registered"
+        records = await asyncio.to_thread(lambda: list(read_records(path, entries)))
+        for record in records:
+            await self.provider.install(record["id"], record["state"])
+        self.restored = True
+        return len(records)
+
+    def hold(self, episode_id: str, attempt: int, path: Path, entry: IndexEntry) -> None:
+        """Hold a restored episode record by its location until attempt+1 claims it."""
+        self.held[episode_id] = Held(episode_id, attempt, path, entry)
+        self.restored = True
+
+    async def release_all(self) -> None:
+        """Drop every installed session and held record (abort_restore)."""
+        if self.provider is not None:
+            for session_id in list(self.provider.sessions()):
+                await self.provider.release(session_id)
+        self.held.clear()
+        self.restored = False
+
+
+def _add_all(writer: SegmentWriter, records: list[dict[str, Any]]) -> None:
+    for record in records:
+        writer.add(record)
+
+
+def _blocker(kind: str, worker: str | None, ident: str, detail: str) -> dict[str, Any]:
+    return {"kind": kind, "worker": worker, "id": ident, "detail": detail}

@@ -1,0 +1,1 @@
+"""End-to-end tests: real `tether serve` processes, real sockets, real signals."""

@@ -1,0 +1,34 @@
+"""The `serve` fixture: real `tether serve` process groups, stopped and checked after
+each test (nothing of the group may be left)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+import pytest
+
+from e2e.harness import Server, start_server
+
+
+class Serve(Protocol):
+    def __call__(
+        self, app: str, workers: int, *extra: str, env: Mapping[str, str] | None = None
+    ) -> Server: ...
+
+
+@pytest.fixture
+def serve() -> Iterator[Serve]:
+    """Start `tether serve APP --workers N EXTRA...`; at teardown SIGTERM it, SIGKILL the
+    group if it must, and fail if any process of the group was left."""
+    servers: list[Server] = []
+
+    def start(app: str, workers: int, *extra: str, env: Mapping[str, str] | None = None) -> Server:
+        server = start_server(app, workers, *extra, env=env)
+        servers.append(server)
+        return server
+
+    yield start
+    problems = [problem for server in servers for problem in server.shutdown()]
+    if problems:
+        pytest.fail("\n".join(problems))
