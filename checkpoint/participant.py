@@ -362,3 +362,18 @@ def _add_all(writer: SegmentWriter, records: list[dict[str, Any]]) -> None:
 
 def _blocker(kind: str, worker: str | None, ident: str, detail: str) -> dict[str, Any]:
     return {"kind": kind, "worker": worker, "id": ident, "detail": detail}
+
+
+_DECLARED = "tether_participant"
+
+
+def declare_participant(app: Any, participant: Participant) -> None:
+    """Declare the app's participant in code; `tether serve` and the in-process control
+    API then use it."""
+    setattr(app.state, _DECLARED, participant)
+
+
+def declared_participant(app: Any) -> Participant | None:
+    state = getattr(app, "state", None)
+    participant = getattr(state, _DECLARED, None) if state is not None else None
+    return participant if isinstance(participant, Participant) else None

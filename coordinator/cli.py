@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--close-window", type=float, dest="close_window_s",
                      help="seconds a session that is not open keeps its claim (default 300)")
     run.add_argument("--log-format", choices=["console", "json"])
+    run.add_argument("--restore", metavar="ID|latest",
+                     help="restore this checkpoint, then resume, before serving")
     demo = commands.add_parser("demo", help="run the whole story on this machine")
     demo.add_argument("--sessions", type=int, default=1000)
     return parser
@@ -37,12 +39,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(demo([f"--sessions={args.sessions}"]))
     if args.command == "serve":
-        if args.workers < 1:
-            print("tether serve: --workers must be at least 1", file=sys.stderr)
-            sys.exit(2)
-        if args.close_window_s is not None and args.close_window_s <= 0:
-            print("tether serve: --close-window must be positive", file=sys.stderr)
-            sys.exit(2)
         options = ServeOptions(
             app=args.app,
             workers=args.workers,
@@ -54,5 +50,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             control_token_file=args.control_token_file,
             close_window_s=args.close_window_s,
             log_format=args.log_format,
+            restore=args.restore,
         )
         sys.exit(serve(options))

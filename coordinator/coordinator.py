@@ -20,6 +20,9 @@ from routing.types import WorkerId, worker_id_or_none
 log = structlog.get_logger("tether.coordinator")
 
 BROADCAST_TIMEOUT_S = 2.0
+CONTROL_CALLS = frozenset(
+    {"prepare", "commit", "resume", "renew", "restore", "abort_restore", "retire", "forget"}
+)
 STATS_TIMEOUT_S = 5.0
 
 
@@ -57,6 +60,12 @@ class Coordinator:
                 return await self._register(channel, body)
             if kind == "status":
                 return await self.status()
+            if kind in CONTROL_CALLS:
+                raise TetherError(
+                    "unsupported_topology",
+                    "checkpoints across several workers are not built yet; "
+                    "serve with --workers 1 to checkpoint",
+                )
             raise TetherError("invalid_request", f"unknown call {kind!r}")
 
         return handle

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from checkpoint.store import validate_checkpoint_id, validate_participant
 from coordinator.apps import AppError, Preset, import_app, resolve_kind
 from coordinator.channel import ChannelServer
 from coordinator.coordinator import Coordinator
@@ -24,6 +25,7 @@ from coordinator.runtime import (
 )
 from coordinator.supervisor import Supervisor
 from coordinator.worker import CONFIG_ENV, WorkerSettings
+from routing.errors import TetherError
 from routing.logs import LogFormat, configure_logging
 
 log = structlog.get_logger("tether.serve")
@@ -43,6 +45,31 @@ class ServeOptions:
     control_token_file: str | None = None
     close_window_s: float | None = None
     log_format: LogFormat | None = None
+    restore: str | None = None
+
+    def problem(self) -> str | None:
+        """Why these options cannot be served, or None."""
+        if self.workers < 1:
+            return "--workers must be at least 1"
+        if self.close_window_s is not None and self.close_window_s <= 0:
+            return "--close-window must be positive"
+        if self.checkpoint_root is not None and self.name is None:
+            return "--name is required with --checkpoint-root"
+        if self.name is not None:
+            try:
+                validate_participant(self.name)
+            except ValueError as error:
+                return f"--name: {error}"
+        if self.restore is not None and self.checkpoint_root is None:
+            return "--restore needs --checkpoint-root"
+        if self.restore not in (None, "latest"):
+            try:
+                validate_checkpoint_id(self.restore)
+            except TetherError as error:
+                return f"--restore: {error.detail}"
+        if self.restore is not None and self.workers > 1:
+            return "--restore with several workers is not built yet; restore at --workers 1"
+        return None
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -59,6 +86,12 @@ def bind_listener(host: str, port: int) -> socket.socket:
 def serve(options: ServeOptions) -> int:
     """Run the server until SIGTERM or SIGINT; return the exit code."""
     configure_logging(options.log_format)
+    problem = options.problem()
+    if problem is not None:
+        print(f"tether serve: {problem}", file=sys.stderr)
+        return 2
+    if options.checkpoint_root is not None:
+        os.makedirs(options.checkpoint_root, mode=0o700, exist_ok=True)
     try:
         app = import_app(options.app)
         resolve_kind(app, options.sessions, options.close_window_s)
@@ -113,6 +146,9 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
         sessions=options.sessions,
         close_window_s=options.close_window_s,
         log_format=options.log_format,
+        name=options.name,
+        checkpoint_root=options.checkpoint_root,
+        restore=options.restore,
     )
     env = {**os.environ, CONFIG_ENV: settings.to_json()}
     supervisor = Supervisor(

@@ -20,9 +20,13 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from checkpoint.checkpointer import Checkpointer
+from checkpoint.control import ControlApp
+from checkpoint.fleet import LocalFleet
+from checkpoint.participant import Participant, declared_participant
+from checkpoint.store import resolve_latest
 from coordinator.apps import Preset, import_app, resolve_kind
 from coordinator.channel import Channel, connect
-from coordinator.control import ControlApp
 from coordinator.lifespan import AppLifespan
 from coordinator.runtime import COORDINATOR_SOCKET
 from routing.errors import TetherError
@@ -37,6 +41,7 @@ CONFIG_ENV = "TETHER_WORKER"
 REGISTER_TIMEOUT_S = 30.0
 RELAY_TIMEOUT_S = 120.0
 FORCE_EXIT_AFTER_S = 3.0
+RESTORE_DEADLINE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,9 @@ class WorkerSettings:
     sessions: Preset | None = None
     close_window_s: float | None = None
     log_format: LogFormat | None = None
+    name: str | None = None
+    checkpoint_root: str | None = None
+    restore: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -67,13 +75,21 @@ class TetherWorker:
     def __init__(self, app: ASGIApp, kind: SessionKind | None, settings: WorkerSettings) -> None:
         self.app = app
         self.settings = settings
-        self.control = ControlApp(settings.token, self._relay)
+        self.participant = declared_participant(app) or Participant()
         self.routing = RoutingWorker(
             app,
             kind=kind,
             runtime_dir=settings.runtime_dir if settings.workers > 1 else None,
-            control=self.control,
+            control=ControlApp(settings.token, self._control),
+            admission=self.participant,
         )
+        self.participant.worker = self.routing.id
+        self.checkpointer: Checkpointer | None = None
+        if settings.workers == 1:
+            fleet = LocalFleet(self.participant, None, self.routing.is_open, self.routing.stats)
+            self.checkpointer = Checkpointer(
+                fleet, name=settings.name, root=settings.checkpoint_root
+            )
         self.server: uvicorn.Server | None = None
         self.channel: Channel | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -95,6 +111,9 @@ class TetherWorker:
         try:
             await app_lifespan.startup()
             await self.routing.start()
+            if self.checkpointer is not None:
+                self.checkpointer.start()
+                await self._restore()
             await self._register()
         except Exception as error:
             log.exception("worker_start_failed")
@@ -122,7 +141,34 @@ class TetherWorker:
         self._watch = asyncio.create_task(self._watch_coordinator(), name="tether-coordinator")
         log.info("worker_registered", live=len(welcome["live"]))
 
+    async def _restore(self) -> None:
+        """`--restore ID|latest`: restore, then resume, before serving any request."""
+        checkpoint_id = self.settings.restore
+        if checkpoint_id is None or self.checkpointer is None:
+            return
+        if checkpoint_id == "latest":
+            assert self.settings.checkpoint_root is not None
+            checkpoint_id = await asyncio.to_thread(
+                resolve_latest, self.settings.checkpoint_root, self.settings.name
+            )
+            if checkpoint_id is None:
+                log.info("no_checkpoint_yet", restore="latest")
+                return
+        answer = await self.checkpointer.call(
+            "restore", {"checkpoint_id": checkpoint_id, "deadline_s": RESTORE_DEADLINE_S}
+        )
+        await self.checkpointer.call("resume", {"checkpoint_id": checkpoint_id})
+        log.info("restored", checkpoint_id=checkpoint_id,
+                 sessions=answer["installed_sessions"], episodes=len(answer["held_episodes"]))
+
+    async def _control(self, call: str, body: dict[str, Any]) -> Any:
+        if self.checkpointer is not None:
+            return await self.checkpointer.call(call, body)
+        return await self._relay(call, body)
+
     async def _stop_routing(self) -> None:
+        if self.checkpointer is not None:
+            await self.checkpointer.stop()
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -147,7 +193,12 @@ class TetherWorker:
             self._apply_live(body["workers"])
             return None
         if kind == "stats":
-            return {"sessions": 0, "episodes": 0, **self.routing.stats()}
+            provider = self.participant.provider
+            return {
+                **self.routing.stats(),
+                "sessions": sum(1 for _ in provider.sessions()) if provider else 0,
+                "episodes": len(self.participant.episodes),
+            }
         raise TetherError("invalid_request", f"unknown call {kind!r}")
 
     def _apply_live(self, workers: list[str]) -> None:

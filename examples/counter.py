@@ -6,6 +6,7 @@ Run it on four workers with `tether serve examples.counter:app --workers 4`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -15,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from checkpoint.participant import Participant, declare_participant
 from routing.errors import TetherError
 from routing.fence import (
     SessionFence,
@@ -31,17 +33,29 @@ SECRET = os.environ.get("COUNTER_SECRET", "counter-example-secret")
 
 
 class Counters:
-    """The counters this worker holds, by session ID."""
+    """The counters this worker holds, by session ID; checkpointed as plain ints."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
         self.fence = SessionFence()
 
+    def sessions(self) -> Iterable[str]:
+        return self.counts.keys()
+
     def holds(self, session_id: str) -> bool:
         return session_id in self.counts
 
+    def export(self, session_id: str) -> int:
+        return self.counts[session_id]
+
+    async def install(self, session_id: str, state: Any) -> None:
+        self.counts[session_id] = int(state)
+
     async def release(self, session_id: str) -> None:
         self.counts.pop(session_id, None)
+
+    def busy(self, session_id: str) -> bool:
+        return False
 
 
 def _worker(request: Request) -> str:
@@ -126,6 +140,9 @@ def create_app(secret: str = SECRET) -> Starlette:
     )
     app.state.counters = counters
     declare(app, cookie_kind(app, release=counters.release))
+    participant = Participant(state_version="counter/1")
+    participant.register_sessions(counters)
+    declare_participant(app, participant)
     return app
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,6 +32,17 @@ RETRY_AFTER = [(b"retry-after", b"1")]
 SCOPE_KEY = "tether.session_id"
 WORKER_KEY = "tether.worker"
 ROUTER_KEY = "tether.router"
+
+
+class Admission(Protocol):
+    """Who may reach the app now (a checkpoint closes admission; SPEC 5.3)."""
+
+    async def enter(
+        self, session_id: SessionId | None, stateless: bool, background: bool
+    ) -> Callable[[], None] | None:
+        """Wait, admit (returning what ends the request's tracking, if tracked), or
+        raise `TetherError("checkpoint_parked")`."""
+        ...
 
 
 @dataclass
@@ -58,6 +69,7 @@ class Router:
     socket_path: Callable[[WorkerId], str] | None = None
     tables: Tables = field(default_factory=Tables)
     control: ASGIApp | None = None
+    admission: Admission | None = None
     access_log: bool = True
     stats: RouterStats = field(default_factory=RouterStats)
 
@@ -226,6 +238,33 @@ class Router:
         send: Send,
     ) -> None:
         """Serve here, claiming the session before the reply's first byte if it was used."""
+        leave = None
+        if self.admission is not None:
+            kind = self.kind
+            request = (scope["method"], scope["path"])
+            try:
+                leave = await self.admission.enter(
+                    session_id,
+                    stateless=kind is not None and request in kind.stateless_routes,
+                    background=kind is not None and request in kind.background_routes,
+                )
+            except TetherError as error:
+                await send_error(send, error, headers=RETRY_AFTER)
+                return
+        try:
+            await self._serve_admitted(session_id, found, scope, receive, send)
+        finally:
+            if leave is not None:
+                leave()
+
+    async def _serve_admitted(
+        self,
+        session_id: SessionId | None,
+        found: Found,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
         kind = self.kind
         if kind is None:
             await self.app(scope, receive, send)

@@ -18,9 +18,9 @@ from routing.forward import Forwarder
 from routing.kinds import SessionKind
 from routing.lifetimes import Lifetimes
 from routing.private import PrivateServer
-from routing.router import Router
+from routing.router import Admission, Router
 from routing.tables import Tables
-from routing.types import WorkerId, new_worker_id
+from routing.types import SessionId, WorkerId, new_worker_id
 
 log = structlog.get_logger("tether.worker")
 
@@ -52,6 +52,7 @@ class RoutingWorker:
         worker: WorkerId | None = None,
         store: ClaimStore | None = None,
         control: ASGIApp | None = None,
+        admission: Admission | None = None,
         access_log: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -79,6 +80,7 @@ class RoutingWorker:
             socket_path=self.socket_path,
             tables=self.tables,
             control=control,
+            admission=admission,
             access_log=access_log,
         )
         if runtime_dir is not None:
@@ -111,6 +113,12 @@ class RoutingWorker:
             await self.private.stop()
         if self.forwarder is not None:
             await self.forwarder.close()
+
+    def is_open(self, session_id: str) -> bool:
+        """Whether the router counts the session as open (True without routing)."""
+        if self.claims is None:
+            return True
+        return self.claims.lifetimes.is_open(SessionId(session_id))
 
     def stats(self) -> dict[str, Any]:
         """This worker's line in status."""
