@@ -156,7 +156,7 @@ class LocalFleet:
 
     async def workers(self) -> list[dict[str, Any]]:
         base = self._stats() if self._stats is not None else {
-            "id": self.worker, "pid": os.getpid(), "claims": 0, "forwarded": 0,
+            "id": self.participant.worker, "pid": os.getpid(), "claims": 0, "forwarded": 0,
             "served_forwarded": 0,
         }
         provider = self.participant.provider

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any, Literal
 
+from checkpoint.inprocess import InProcess
 from routing.kinds import SessionKind, cookie_kind, declared_kind, mcp_kind
 
 Preset = Literal["cookie", "mcp"]
@@ -33,7 +34,7 @@ def import_app(target: str) -> Any:
             app = getattr(app, part)
     except AttributeError as error:
         raise AppError(f"module {module_name!r} has no attribute {attribute!r}") from error
-    return app
+    return app.app if isinstance(app, InProcess) else app
 
 
 def resolve_kind(

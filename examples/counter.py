@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from checkpoint.inprocess import in_process
 from checkpoint.participant import Participant, declare_participant
 from routing.errors import TetherError
 from routing.fence import (
@@ -146,4 +147,5 @@ def create_app(secret: str = SECRET) -> Starlette:
     return app
 
 
-app = create_app()
+# Plain `uvicorn examples.counter:app` serves the control API in-process; tether serve unwraps it.
+app = in_process(create_app())
