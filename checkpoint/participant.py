@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from checkpoint.segments import IndexEntry, SegmentInfo, SegmentWriter, read_records
+from checkpoint.segments import IndexEntry, SegmentInfo, SegmentWriter, read_index, read_records
 from routing.errors import TetherError
 from routing.types import SessionId
 
@@ -97,8 +98,41 @@ class Episode:
             self.participant.check_attempt(self.episode_id, self.attempt)
 
 
+def check_claim(held: Held, episode_id: str, attempt: int) -> None:
+    """The attempt rules of SPEC 5.8 for claiming a held record (raises if refused)."""
+    if attempt <= held.attempt:
+        raise TetherError(
+            "stale_attempt", f"the held record of {episode_id!r} is attempt {held.attempt}"
+        )
+    if attempt > held.attempt + 1:
+        raise TetherError(
+            "attempt_mismatch",
+            {"expected": held.attempt + 1, "message": f"{episode_id!r} continues once"},
+        )
+    if held.claimed_by is not None:
+        raise TetherError("episode_claimed", {"worker": held.claimed_by})
+
+
+class RemoteRecords(Protocol):
+    """Held records kept elsewhere (by the coordinator, for a server of N workers)."""
+
+    async def claim(self, episode_id: str, attempt: int) -> Held | None:
+        """Claim the record attempt-1 left, if one is held; raises the attempt errors."""
+        ...
+
+    async def done(self, episode_id: str) -> None:
+        """The claimed record was continued to the end: drop it."""
+        ...
+
+    async def hand_back(self, held: Held) -> None:
+        """The claiming request ended early: hold the record again (by location)."""
+        ...
+
+
 class Participant:
-    """What one worker's app registers for checkpoints, and its checkpoint-time duties."""
+    """What one worker's app registers for checkpoints, and its checkpoint-time duties.
+
+    Held episode records are kept here (one worker) or by `remote` (several workers)."""
 
     def __init__(self, *, state_version: str | None = None) -> None:
         self.state_version = state_version
@@ -112,6 +146,9 @@ class Participant:
         self._open.set()
         self._changed: list[Callable[[], None]] = []
         self.restored = False
+        self.remote: RemoteRecords | None = None
+        self.handback_dir: Path | None = None
+        """Where a handed-back boundary state is written when records are remote."""
 
     # Registration --------------------------------------------------------------
 
@@ -219,7 +256,10 @@ class Participant:
         self.check_attempt(episode_id, attempt)
         if (episode_id, attempt) in self.episodes:
             raise TetherError("episode_claimed", {"worker": self.worker})
-        held = self._claim_held(episode_id, attempt)
+        if self.remote is not None:
+            held = await self.remote.claim(episode_id, attempt)
+        else:
+            held = self._claim_held(episode_id, attempt)
         episode = Episode(self, episode_id, attempt)
         if held is not None:
             episode.resumed = episode.state = await asyncio.to_thread(held.load)
@@ -232,37 +272,43 @@ class Participant:
         finally:
             del self.episodes[(episode_id, attempt)]
             if held is not None and finished:
-                self.held.pop(episode_id, None)  # continued exactly once
+                await self._done(episode_id)  # continued exactly once
             elif held is not None:
-                self._hand_back(episode, held)
+                await self._hand_back(episode, held)
             self.changed()
 
     def _claim_held(self, episode_id: str, attempt: int) -> Held | None:
         held = self.held.get(episode_id)
         if held is None:
             return None
-        if attempt <= held.attempt:
-            raise TetherError(
-                "stale_attempt", f"the held record of {episode_id!r} is attempt {held.attempt}"
-            )
-        if attempt > held.attempt + 1:
-            raise TetherError(
-                "attempt_mismatch",
-                {"expected": held.attempt + 1, "message": f"{episode_id!r} continues once"},
-            )
-        if held.claimed_by is not None:
-            raise TetherError("episode_claimed", {"worker": held.claimed_by})
+        check_claim(held, episode_id, attempt)
         held.claimed_by = self.worker or "local"
         return held
 
-    def _hand_back(self, episode: Episode, held: Held) -> None:
+    async def _done(self, episode_id: str) -> None:
+        if self.remote is not None:
+            await self.remote.done(episode_id)
+        else:
+            self.held.pop(episode_id, None)
+
+    async def _hand_back(self, episode: Episode, held: Held) -> None:
         """A claimed request ended early: hold its latest boundary state again, for the
-        same attempt."""
+        same attempt (written to a one-record file when records are kept remotely, so
+        no state crosses the channel)."""
         if episode.boundaries:
             held.path = held.entry = None
             held.state = episode.state
         held.claimed_by = None
-        self.held[episode.episode_id] = held
+        if self.remote is None:
+            self.held[episode.episode_id] = held
+            return
+        if held.path is None and self.handback_dir is not None:
+            name = f"{episode.episode_id.encode().hex()[:64]}-{secrets.token_hex(4)}.msgpack"
+            path = self.handback_dir / name
+            record = {"kind": "episode", "episode_id": held.episode_id,
+                      "attempt": held.attempt, "state": held.state}
+            held.path, held.entry = await asyncio.to_thread(_write_one, path, record)
+        await self.remote.hand_back(held)
 
     def retire(self, episode_id: str, attempt: int) -> dict[str, Any]:
         """Mark the attempt (and older) retired, stop its work, drop held records."""
@@ -353,6 +399,15 @@ class Participant:
                 await self.provider.release(session_id)
         self.held.clear()
         self.restored = False
+
+
+def _write_one(path: Path, record: dict[str, Any]) -> tuple[Path, IndexEntry]:
+    """Write one record as a segment of its own; return where it is."""
+    writer = SegmentWriter(path)
+    writer.add(record)
+    writer.close()
+    [entry] = read_index(path)
+    return path, entry
 
 
 def _add_all(writer: SegmentWriter, records: list[dict[str, Any]]) -> None:
