@@ -116,8 +116,8 @@ class Checkpointer:
             "expected_workers": self.fleet.expected_workers,
             "workers": await self.fleet.workers(),
             "held_episodes": self.fleet.held_episodes(),
-            "lost_episodes": [],
-            "tables": {"placed_sessions": 0, "owner_aliases": 0},
+            "lost_episodes": self.fleet.lost_episodes(),
+            "tables": self.fleet.tables(),
             "blockers": self._blockers[: ph.MAX_BLOCKERS],
             "blockers_total": len(self._blockers),
             "checkpoint_root": self.root,
@@ -224,8 +224,12 @@ class Checkpointer:
         except TimeoutError:
             event = ph.CommitFailed(cid, "deadline_exceeded", "the commit missed its deadline")
         except TetherError as error:
-            code = error.code if error.code in ("stale_checkpoint", "commit_failed") else None
-            event = ph.CommitFailed(cid, code or "commit_failed", error.detail)
+            code: ph.CommitFailure = "commit_failed"
+            if error.code == "stale_checkpoint":
+                code = "stale_checkpoint"
+            elif error.code == "not_ready":
+                code = "not_ready"
+            event = ph.CommitFailed(cid, code, error.detail)
         except OSError as error:
             event = ph.CommitFailed(cid, "commit_failed", str(error))
         log.info(
@@ -243,7 +247,7 @@ class Checkpointer:
             workers, segments = await self.fleet.export(pending, scope)
             fields: Any = {
                 "workers": workers,
-                "owner_aliases": {},
+                "owner_aliases": self.fleet.owner_aliases(),
                 "state_version": self.fleet.state_version,
                 "records": await asyncio.to_thread(_count, segments, Path(pending.temp_dir)),
                 "segments": segments,

@@ -58,6 +58,16 @@ class Fleet(Protocol):
 
     def held_episodes(self) -> list[dict[str, Any]]: ...
 
+    def lost_episodes(self) -> list[dict[str, Any]]: ...
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of the placed-session and owner-alias tables."""
+        ...
+
+    def owner_aliases(self) -> dict[str, str]:
+        """Every old worker ID this server answers for (written into the manifest)."""
+        ...
+
 
 class LocalFleet:
     """One participant in this process. `worker` is the record owner (None without
@@ -168,6 +178,15 @@ class LocalFleet:
 
     def held_episodes(self) -> list[dict[str, Any]]:
         return _held(self.participant.held.values())
+
+    def lost_episodes(self) -> list[dict[str, Any]]:
+        return []
+
+    def tables(self) -> dict[str, int]:
+        return {"placed_sessions": 0, "owner_aliases": 0}
+
+    def owner_aliases(self) -> dict[str, str]:
+        return {}
 
 
 def _held(records: Iterable[Any]) -> list[dict[str, Any]]:

@@ -339,6 +339,7 @@ class Participant:
         scope: frozenset[str] | None,
         owner: str | None,
         is_open: Callable[[str], bool],
+        carried: Iterable[Held] = (),
     ) -> SegmentInfo:
         """Write this worker's records to its segment, packing on the loop in batches and
         writing in a thread. Parked episodes and unclaimed held records in `scope` go in
@@ -346,7 +347,7 @@ class Participant:
         writer = SegmentWriter(path)
         try:
             batch: list[dict[str, Any]] = []
-            for record in self._records(scope, owner, is_open):
+            for record in self._records(scope, owner, is_open, list(carried)):
                 batch.append(record)
                 if len(batch) >= EXPORT_BATCH:
                     await asyncio.to_thread(_add_all, writer, batch)
@@ -358,7 +359,11 @@ class Participant:
             raise
 
     def _records(
-        self, scope: frozenset[str] | None, owner: str | None, is_open: Callable[[str], bool]
+        self,
+        scope: frozenset[str] | None,
+        owner: str | None,
+        is_open: Callable[[str], bool],
+        carried: list[Held],
     ) -> Iterable[dict[str, Any]]:
         if self.provider is not None:
             for session_id in list(self.provider.sessions()):
@@ -373,10 +378,16 @@ class Participant:
             if episode.parked and (scope is None or episode.episode_id in scope):
                 yield {"kind": "episode", "episode_id": episode.episode_id,
                        "attempt": episode.attempt, "state": episode.state}
-        for held in list(self.held.values()):
-            if held.claimed_by is None and (scope is None or held.episode_id in scope):
+        local = [h for h in self.held.values() if h.claimed_by is None]
+        for held in [*local, *carried]:
+            if scope is None or held.episode_id in scope:
                 yield {"kind": "episode", "episode_id": held.episode_id,
                        "attempt": held.attempt + 1, "state": held.load()}
+
+    def set_retired(self, marks: dict[str, int]) -> None:
+        """Inherit the retire marks of the server (a worker that joins late)."""
+        for episode_id, attempt in marks.items():
+            self.retired[episode_id] = max(attempt, self.retired.get(episode_id, attempt))
 
     async def install(self, path: Path, entries: list[IndexEntry]) -> int:
         """Install this worker's sessions from one segment; returns how many."""

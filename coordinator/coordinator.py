@@ -13,7 +13,9 @@ from typing import Any
 
 import structlog
 
+from checkpoint.checkpointer import Checkpointer
 from coordinator.channel import Channel, ChannelLost, Handler, RemoteError
+from coordinator.fleet import ChannelFleet
 from routing.errors import TetherError
 from routing.types import WorkerId, worker_id_or_none
 
@@ -23,6 +25,7 @@ BROADCAST_TIMEOUT_S = 2.0
 CONTROL_CALLS = frozenset(
     {"prepare", "commit", "resume", "renew", "restore", "abort_restore", "retire", "forget"}
 )
+EPISODE_CALLS = frozenset({"claim_episode", "episode_done", "hand_back"})
 STATS_TIMEOUT_S = 5.0
 
 
@@ -46,6 +49,8 @@ class Coordinator:
         self.checkpoint_root = checkpoint_root
         self.links: dict[WorkerId, Link] = {}
         self.stopping = False
+        self.fleet: ChannelFleet | None = None
+        self.checkpointer: Checkpointer | None = None
         self._changed = asyncio.Condition()
 
     @property
@@ -58,14 +63,14 @@ class Coordinator:
         async def handle(kind: str, body: Any) -> Any:
             if kind == "register":
                 return await self._register(channel, body)
-            if kind == "status":
+            if kind == "status" and self.checkpointer is None:
                 return await self.status()
-            if kind in CONTROL_CALLS:
-                raise TetherError(
-                    "unsupported_topology",
-                    "checkpoints across several workers are not built yet; "
-                    "serve with --workers 1 to checkpoint",
-                )
+            if kind == "status" or kind in CONTROL_CALLS:
+                if self.checkpointer is None:
+                    raise TetherError("unsupported_topology", "this server has no checkpointer")
+                return await self.checkpointer.call(kind, body or {})
+            if self.fleet is not None and kind in EPISODE_CALLS:
+                return self._episode_call(channel, kind, body)
             raise TetherError("invalid_request", f"unknown call {kind!r}")
 
         return handle
@@ -80,6 +85,8 @@ class Coordinator:
                     log.info("worker_stopped", worker_id=worker, pid=link.pid)
                 else:
                     log.warning("worker_left", worker_id=worker, pid=link.pid)
+                if self.fleet is not None:
+                    self.fleet.worker_left(worker)
                 await self._broadcast_live()
                 async with self._changed:
                     self._changed.notify_all()
@@ -116,7 +123,25 @@ class Coordinator:
         )
         async with self._changed:
             self._changed.notify_all()
-        return {"live": self.live, "phase": "open"}
+        welcome: dict[str, Any] = {"live": self.live, "phase": "open"}
+        if self.fleet is not None:
+            self.fleet.state_version = body.get("state_version")
+            welcome.update(self.fleet.welcome())
+            self.fleet.changed()
+        return welcome
+
+    def _episode_call(self, channel: Channel, kind: str, body: Any) -> Any:
+        assert self.fleet is not None
+        worker = next((w for w, link in self.links.items() if link.channel is channel), None)
+        if worker is None:
+            raise TetherError("invalid_request", "register first")
+        if kind == "claim_episode":
+            return self.fleet.claim(worker, body["episode_id"], body["attempt"])
+        if kind == "episode_done":
+            self.fleet.done(body["episode_id"])
+        else:
+            self.fleet.hand_back(body)
+        return None
 
     async def _broadcast_live(self, skip: WorkerId | None = None) -> None:
         live = self.live

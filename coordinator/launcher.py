@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 import structlog
 
-from checkpoint.store import validate_checkpoint_id, validate_participant
+from checkpoint.checkpointer import Checkpointer
+from checkpoint.store import resolve_latest, validate_checkpoint_id, validate_participant
 from coordinator.apps import AppError, Preset, import_app, resolve_kind
 from coordinator.channel import ChannelServer
 from coordinator.coordinator import Coordinator
+from coordinator.fleet import ChannelFleet
 from coordinator.runtime import (
     COORDINATOR_SOCKET,
     RuntimeDirError,
@@ -31,6 +33,7 @@ from routing.logs import LogFormat, configure_logging
 log = structlog.get_logger("tether.serve")
 
 START_TIMEOUT_S = 60.0
+RESTORE_DEADLINE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,6 @@ class ServeOptions:
                 validate_checkpoint_id(self.restore)
             except TetherError as error:
                 return f"--restore: {error.detail}"
-        if self.restore is not None and self.workers > 1:
-            return "--restore with several workers is not built yet; restore at --workers 1"
         return None
 
 
@@ -109,6 +110,35 @@ def serve(options: ServeOptions) -> int:
         remove_runtime_dir(runtime_dir)
 
 
+async def _restore_at_start(options: ServeOptions, coordinator: Coordinator) -> bool:
+    """`--restore` on several workers: restore, resume, open admission; False on failure."""
+    checkpointer, fleet = coordinator.checkpointer, coordinator.fleet
+    if options.restore is None or checkpointer is None or fleet is None:
+        return True
+    assert options.checkpoint_root is not None
+    checkpoint_id = options.restore
+    try:
+        if checkpoint_id == "latest":
+            found = await asyncio.to_thread(resolve_latest, options.checkpoint_root, options.name)
+            if found is None:
+                log.info("no_checkpoint_yet", restore="latest")
+                await fleet.open_admission()
+                return True
+            checkpoint_id = found
+        answer = await checkpointer.call(
+            "restore", {"checkpoint_id": checkpoint_id, "deadline_s": RESTORE_DEADLINE_S}
+        )
+        await checkpointer.call("resume", {"checkpoint_id": checkpoint_id})
+    except TetherError as error:
+        print(f"tether serve: --restore {checkpoint_id}: {error.code}: {error.detail}",
+              file=sys.stderr)
+        return False
+    await fleet.open_admission()
+    log.info("restored", checkpoint_id=checkpoint_id, sessions=answer["installed_sessions"],
+             placed=answer["placed_sessions"])
+    return True
+
+
 async def _serve(options: ServeOptions, runtime_dir: str) -> int:
     soft, _ = raise_open_file_limit()
     token, token_path = resolve_token(
@@ -127,6 +157,15 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
         coordinator.handler_for,
         on_channel=coordinator.on_channel,
     )
+    if options.workers > 1:
+        coordinator.fleet = ChannelFleet(coordinator, runtime_dir)
+        coordinator.checkpointer = Checkpointer(
+            coordinator.fleet, name=options.name, root=options.checkpoint_root
+        )
+        coordinator.checkpointer.start()
+        # A restore at start-up keeps admission closed until it is done, so old cookies
+        # never meet empty state.
+        coordinator.fleet.closed = options.restore is not None
     await channels.start()
     stop = asyncio.Event()
     exit_code = 0
@@ -166,7 +205,10 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
         ready = asyncio.create_task(coordinator.wait_for_workers(options.workers, START_TIMEOUT_S))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if ready.done() and ready.result():
+        if ready.done() and ready.result() and not await _restore_at_start(options, coordinator):
+            exit_code = 1
+            stop.set()
+        elif ready.done() and ready.result():
             where = f"[{host}]" if ":" in host else host
             print(f"tether serving http://{where}:{port} with {options.workers} workers",
                   flush=True)
@@ -183,6 +225,8 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
         log.info("stopping")
     finally:
         coordinator.stopping = True
+        if coordinator.checkpointer is not None:
+            await coordinator.checkpointer.stop()
         await supervisor.stop()
         await channels.close()
         listener.close()

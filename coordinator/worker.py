@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgpack
 import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -23,7 +26,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from checkpoint.checkpointer import Checkpointer
 from checkpoint.control import ControlApp
 from checkpoint.fleet import LocalFleet
-from checkpoint.participant import Participant, declared_participant
+from checkpoint.participant import Held, Participant, declared_participant
+from checkpoint.segments import IndexEntry, read_index
 from checkpoint.store import resolve_latest
 from coordinator.apps import Preset, import_app, resolve_kind
 from coordinator.channel import Channel, connect
@@ -32,7 +36,7 @@ from coordinator.runtime import COORDINATOR_SOCKET
 from routing.errors import TetherError
 from routing.kinds import SessionKind
 from routing.logs import LogFormat, configure_logging
-from routing.types import WorkerId, worker_id_or_none
+from routing.types import SessionId, WorkerId, worker_id_or_none
 from routing.worker import RoutingWorker
 
 log = structlog.get_logger("tether.worker")
@@ -135,9 +139,20 @@ class TetherWorker:
         path = os.path.join(self.settings.runtime_dir, COORDINATOR_SOCKET)
         self.channel = await connect(path, self._handle, name=f"worker-{self.id[:8]}")
         welcome = await self.channel.request(
-            "register", {"worker": self.id, "pid": os.getpid()}, timeout=REGISTER_TIMEOUT_S
+            "register",
+            {"worker": self.id, "pid": os.getpid(),
+             "state_version": self.participant.state_version},
+            timeout=REGISTER_TIMEOUT_S,
         )
         self._apply_live(welcome["live"])
+        if welcome.get("admission_closed"):
+            self.participant.close_admission()
+        self.participant.set_retired(welcome.get("retired") or {})
+        await self._apply_tables(welcome.get("tables"))
+        if self.settings.workers > 1:
+            self.participant.remote = _CoordinatorRecords(self.channel)
+            self.participant.handback_dir = Path(self.settings.runtime_dir) / "handback"
+            self.participant.handback_dir.mkdir(mode=0o700, exist_ok=True)
         self._watch = asyncio.create_task(self._watch_coordinator(), name="tether-coordinator")
         log.info("worker_registered", live=len(welcome["live"]))
 
@@ -192,6 +207,8 @@ class TetherWorker:
         if kind == "live":
             self._apply_live(body["workers"])
             return None
+        if kind in _PARTICIPANT_CALLS:
+            return await self._participant_call(kind, body)
         if kind == "stats":
             provider = self.participant.provider
             return {
@@ -201,6 +218,60 @@ class TetherWorker:
             }
         raise TetherError("invalid_request", f"unknown call {kind!r}")
 
+    async def _participant_call(self, kind: str, body: Any) -> Any:
+        """What the coordinator asks of this worker's participant (several workers)."""
+        participant = self.participant
+        if kind == "close_admission":
+            participant.close_admission()
+        elif kind == "open_admission":
+            participant.open_admission()
+        elif kind == "blockers":
+            return participant.blockers()
+        elif kind == "fresh":
+            return participant.is_fresh()
+        elif kind == "export":
+            scope = None if body["scope"] is None else frozenset(body["scope"])
+            carried = [_held(record) for record in body["carried"]]
+            info = await participant.export(
+                Path(body["path"]), scope, self.id, self.routing.is_open, carried
+            )
+            return dict(info)
+        elif kind == "install":
+            return await self._install(body)
+        elif kind == "release_installed":
+            await participant.release_all()
+            self.routing.tables.placed, self.routing.tables.aliases = {}, {}
+        elif kind == "retire":
+            return participant.retire(body["episode_id"], body["attempt"])
+        elif kind == "forget":
+            return participant.forget(body["episode_ids"])
+        return None
+
+    async def _install(self, body: dict[str, Any]) -> int:
+        """Load the restore's tables, then install the sessions placed on this worker."""
+        await self._apply_tables(body["tables"])
+        placed = self.routing.tables.placed
+        installed = 0
+        for path in body["segments"]:
+            entries = await asyncio.to_thread(read_index, path)
+            mine = [
+                e for e in entries
+                if e.kind == "session" and placed.get(SessionId(e.id)) == self.id
+            ]
+            if mine:
+                installed += await self.participant.install(Path(path), mine)
+        return installed
+
+    async def _apply_tables(self, tables: dict[str, str] | None) -> None:
+        if tables is None:
+            return
+        data = await asyncio.to_thread(Path(tables["path"]).read_bytes)
+        if hashlib.sha256(data).hexdigest() != tables["digest"]:
+            raise TetherError("corrupt_checkpoint", "the restore's tables file changed")
+        loaded = msgpack.unpackb(data, raw=False)
+        self.routing.tables.placed = loaded["placed"]
+        self.routing.tables.aliases = loaded["aliases"]
+
     def _apply_live(self, workers: list[str]) -> None:
         live = [w for w in (worker_id_or_none(w) for w in workers) if w is not None]
         self.routing.tables.set_live([*live, self.id])
@@ -209,6 +280,41 @@ class TetherWorker:
         if self.channel is None:
             raise TetherError("worker_unreported", "this worker is not registered yet")
         return await self.channel.request(call, body, timeout=RELAY_TIMEOUT_S)
+
+
+_PARTICIPANT_CALLS = frozenset({
+    "close_admission", "open_admission", "blockers", "fresh", "export", "install",
+    "release_installed", "retire", "forget",
+})
+
+
+def _held(body: dict[str, Any]) -> Held:
+    return Held(body["episode_id"], body["attempt"], Path(body["path"]),
+                IndexEntry(*body["entry"]))
+
+
+class _CoordinatorRecords:
+    """Held episode records kept by the coordinator, claimed over the channel."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    async def claim(self, episode_id: str, attempt: int) -> Held | None:
+        body = await self.channel.request(
+            "claim_episode", {"episode_id": episode_id, "attempt": attempt}
+        )
+        return None if body is None else _held(body)
+
+    async def done(self, episode_id: str) -> None:
+        await self.channel.request("episode_done", {"episode_id": episode_id})
+
+    async def hand_back(self, held: Held) -> None:
+        assert held.path is not None
+        assert held.entry is not None
+        await self.channel.request("hand_back", {
+            "episode_id": held.episode_id, "attempt": held.attempt,
+            "path": str(held.path), "entry": list(held.entry),
+        })
 
 
 def main() -> None:

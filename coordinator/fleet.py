@@ -1,0 +1,324 @@
+"""N workers behind the checkpointer's `Fleet` interface, over the coordinator channel.
+
+Records never travel through here: workers write their own segments and read their
+own placed records; this process reads only segment indexes (placement, duplicates)
+and keeps held episode records by location (SPEC 5.7, 5.8, 5.11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import structlog
+
+from checkpoint.participant import Held, check_claim
+from checkpoint.segments import IndexEntry, read_index
+from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit
+from coordinator.channel import ChannelLost
+from coordinator.placement import place
+from routing.errors import TetherError
+from routing.types import SessionId, WorkerId
+
+if TYPE_CHECKING:
+    from coordinator.coordinator import Coordinator
+
+log = structlog.get_logger("tether.fleet")
+
+CALL_TIMEOUT_S = 5.0
+WORK_TIMEOUT_S = 3600.0
+WORKERS_WAIT_S = 30.0
+
+
+class ChannelFleet:
+    """The workers of one `tether serve`, as the checkpointer sees them."""
+
+    def __init__(self, coordinator: Coordinator, runtime_dir: str) -> None:
+        self.coordinator = coordinator
+        self.runtime_dir = runtime_dir
+        self.expected_workers = coordinator.expected_workers
+        self.state_version: str | None = None
+        self.closed = False
+        self.lost: set[WorkerId] = set()
+        self.held: dict[str, Held] = {}
+        self._lost_episodes: list[dict[str, Any]] = []
+        self.retired: dict[str, int] = {}
+        self.aliases: dict[WorkerId, WorkerId] = {}
+        self.placed_count = 0
+        self.tables_file: dict[str, str] | None = None
+        self.restored = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    # Events from the coordinator ----------------------------------------------------
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def changed(self) -> None:
+        for callback in self._callbacks:
+            callback()
+
+    def worker_left(self, worker: WorkerId) -> None:
+        """A worker exited: it blocks an open checkpoint; its claimed records are lost."""
+        if self.closed:
+            self.lost.add(worker)
+        for episode_id, held in list(self.held.items()):
+            if held.claimed_by == worker:
+                del self.held[episode_id]
+                self._lost_episodes.append(
+                    {"episode_id": episode_id, "attempt": held.attempt + 1, "worker": worker}
+                )
+        self.changed()
+
+    def welcome(self) -> dict[str, Any]:
+        """What a registering worker must apply before it serves."""
+        return {
+            "admission_closed": self.closed,
+            "tables": self.tables_file,
+            "retired": self.retired,
+        }
+
+    # Fleet interface --------------------------------------------------------------
+
+    async def close_admission(self) -> None:
+        self.closed = True
+        await self._all("close_admission")
+
+    async def open_admission(self) -> None:
+        self.closed = False
+        self.lost.clear()
+        await self._all("open_admission")
+
+    async def blockers(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        missing = self.expected_workers - len(self.coordinator.links)
+        for _ in range(max(missing, 0)):
+            found.append(_blocker("worker_missing", None, None, "fewer workers than configured"))
+        for worker in sorted(self.lost):
+            found.append(_blocker("worker_lost", worker, None, "exited during the checkpoint"))
+        for worker, answer in await self._gather("blockers"):
+            if isinstance(answer, list):
+                found.extend(answer)
+            else:
+                found.append(_blocker("worker_unreported", worker, None, repr(answer)))
+        return found
+
+    async def fresh(self) -> bool:
+        if self.restored or self.held:
+            return False
+        if any(os.scandir(Path(self.runtime_dir) / "claims")):
+            return False
+        answers = await self._gather("fresh")
+        return all(answer is True for _, answer in answers)
+
+    async def export(
+        self, pending: PendingCommit, scope: frozenset[str] | None
+    ) -> tuple[list[str], list[ManifestSegment]]:
+        links = sorted(self.coordinator.links)
+        if not links:
+            raise TetherError("commit_failed", "no worker is registered")
+        carried = [
+            _held_body(h) for h in self.held.values()
+            if h.claimed_by is None and (scope is None or h.episode_id in scope)
+        ]
+        calls = []
+        for index, worker in enumerate(links):
+            body = {
+                "path": str(pending.segment_path(worker)),
+                "scope": None if scope is None else sorted(scope),
+                "carried": carried if index == 0 else [],
+            }
+            calls.append(self._call(worker, "export", body, WORK_TIMEOUT_S))
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        segments: list[ManifestSegment] = []
+        for worker, answer in zip(links, answers, strict=True):
+            if isinstance(answer, BaseException):
+                raise TetherError("commit_failed", f"worker {worker}: {answer!r}")
+            segments.append({"file": answer["file"], "bytes": answer["bytes"],
+                             "records": answer["records"], "digest": answer["digest"],
+                             "worker": worker})
+        duplicates = await asyncio.to_thread(_duplicates, Path(pending.temp_dir), segments)
+        if duplicates:
+            raise TetherError("not_ready", {
+                "blockers": [_blocker("session_duplicate", None, sid, "exported twice")
+                             for sid in duplicates[:100]],
+                "blockers_total": len(duplicates),
+            })
+        return list(links), segments
+
+    def owner_aliases(self) -> dict[str, str]:
+        return {str(old): str(new) for old, new in self.aliases.items()}
+
+    async def restore(
+        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool
+    ) -> dict[str, Any]:
+        if not await self.coordinator.wait_for_workers(self.expected_workers, WORKERS_WAIT_S):
+            raise TetherError("workers_missing", f"{len(self.coordinator.links)} of "
+                              f"{self.expected_workers} workers registered")
+        version = checkpoint.manifest.get("state_version")
+        if version != self.state_version:
+            raise TetherError("incompatible_state",
+                              f"checkpoint {version!r}, app {self.state_version!r}")
+        sessions = [(SessionId(e.id), _owner(e.owner)) for s in checkpoint.segments
+                    for e in s.entries if e.kind == "session"]
+        episodes = [(s.path, e) for s in checkpoint.segments for e in s.entries
+                    if e.kind == "episode" and (scope is None or e.id in scope)]
+        known = [WorkerId(w) for w in checkpoint.manifest.get("workers", [])]
+        inherited = {WorkerId(k): WorkerId(v)
+                     for k, v in checkpoint.manifest.get("owner_aliases", {}).items()}
+        placement = place(sessions, sorted(self.coordinator.links), known, inherited)
+        answer = {
+            "installed_sessions": len(sessions),
+            "held_episodes": [{"episode_id": e.id, "attempt_to_send": (e.attempt or 0) + 1}
+                              for _, e in episodes],
+            "placed_sessions": len(placement.sessions),
+            "owner_aliases": len(placement.aliases),
+        }
+        if dry_run:
+            return answer
+        tables = await asyncio.to_thread(self._write_tables, placement.sessions, placement.aliases)
+        body = {"tables": tables, "segments": [str(s.path) for s in checkpoint.segments]}
+        results = await self._gather("install", body, WORK_TIMEOUT_S)
+        failed = [(w, a) for w, a in results if isinstance(a, BaseException)]
+        if failed:
+            await self._gather("release_installed")
+            worker, error = failed[0]
+            if isinstance(error, TetherError):
+                raise error
+            raise TetherError("corrupt_checkpoint", f"worker {worker} failed to install: {error!r}")
+        for path, entry in episodes:
+            self.held[entry.id] = Held(entry.id, entry.attempt or 0, path, entry)
+        self.tables_file, self.aliases = tables, dict(placement.aliases)
+        self.placed_count = len(placement.sessions)
+        self.restored = True
+        return answer
+
+    async def release_installed(self) -> None:
+        await self._gather("release_installed")
+        self.held.clear()
+        self.tables_file, self.aliases, self.placed_count = None, {}, 0
+        self.restored = False
+
+    async def retire(self, episode_id: str, attempt: int) -> list[dict[str, Any]]:
+        self.retired[episode_id] = max(attempt, self.retired.get(episode_id, attempt))
+        dropped = 0
+        held = self.held.get(episode_id)
+        if held is not None and held.claimed_by is None and held.attempt + 1 <= attempt:
+            del self.held[episode_id]
+            dropped = 1
+        answers = await self._gather("retire", {"episode_id": episode_id, "attempt": attempt})
+        unreported = [w for w, a in answers if not isinstance(a, dict)]
+        if unreported:
+            raise TetherError("worker_unreported", {"workers": unreported, "marks": "kept"})
+        stopped = sum(a["stopped"] for _, a in answers)
+        return [{"episode_id": episode_id, "attempt": attempt, "stopped": stopped,
+                 "dropped_held": dropped + sum(a["dropped_held"] for _, a in answers)}]
+
+    async def forget(self, episode_ids: list[str]) -> list[str]:
+        forgotten = [e for e in episode_ids if self.retired.pop(e, None) is not None]
+        await self._gather("forget", {"episode_ids": episode_ids})
+        return forgotten
+
+    async def workers(self) -> list[dict[str, Any]]:
+        rows = []
+        for worker, answer in await self._gather("stats"):
+            link = self.coordinator.links.get(worker)
+            rows.append(answer if isinstance(answer, dict) else
+                        {"id": worker, "pid": link.pid if link else None})
+        return sorted(rows, key=lambda row: str(row["id"]))
+
+    def held_episodes(self) -> list[dict[str, Any]]:
+        return [{"episode_id": h.episode_id, "attempt_to_send": h.attempt + 1}
+                for h in self.held.values() if h.claimed_by is None]
+
+    def lost_episodes(self) -> list[dict[str, Any]]:
+        return list(self._lost_episodes)
+
+    def tables(self) -> dict[str, int]:
+        return {"placed_sessions": self.placed_count, "owner_aliases": len(self.aliases)}
+
+    # Episode records for workers (SPEC 5.8) -------------------------------------------
+
+    def claim(self, worker: WorkerId, episode_id: str, attempt: int) -> dict[str, Any] | None:
+        """A worker's request claims the record attempt-1 left; the answer reaches it
+        before any later message to it (one ordered channel)."""
+        if self.closed:
+            raise TetherError("checkpoint_parked", "a checkpoint is open; retry shortly")
+        held = self.held.get(episode_id)
+        if held is None:
+            return None
+        check_claim(held, episode_id, attempt)
+        held.claimed_by = worker
+        return _held_body(held)
+
+    def done(self, episode_id: str) -> None:
+        self.held.pop(episode_id, None)
+
+    def hand_back(self, body: dict[str, Any]) -> None:
+        path, entry = Path(body["path"]), IndexEntry(*body["entry"])
+        self.held[body["episode_id"]] = Held(body["episode_id"], body["attempt"], path, entry)
+
+    # Plumbing ---------------------------------------------------------------------
+
+    def _write_tables(
+        self, placed: dict[SessionId, WorkerId], aliases: dict[WorkerId, WorkerId]
+    ) -> dict[str, str]:
+        data = msgpack.packb({"placed": placed, "aliases": aliases}, use_bin_type=True)
+        path = Path(self.runtime_dir) / f"tables-{secrets.token_hex(4)}.msgpack"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        return {"path": str(path), "digest": hashlib.sha256(data).hexdigest()}
+
+    async def _call(self, worker: WorkerId, kind: str, body: Any, within_s: float) -> Any:
+        link = self.coordinator.links.get(worker)
+        if link is None:
+            raise ChannelLost(f"worker {worker} is gone")
+        return await link.channel.request(kind, body, timeout=within_s)
+
+    async def _gather(
+        self, kind: str, body: Any = None, within_s: float = CALL_TIMEOUT_S
+    ) -> list[tuple[WorkerId, Any]]:
+        workers = sorted(self.coordinator.links)
+        answers = await asyncio.gather(
+            *(self._call(w, kind, body, within_s) for w in workers), return_exceptions=True
+        )
+        return list(zip(workers, answers, strict=True))
+
+    async def _all(self, kind: str) -> None:
+        for worker, answer in await self._gather(kind):
+            if isinstance(answer, BaseException) and not isinstance(answer, ChannelLost):
+                log.warning("worker_call_failed", call=kind, worker_id=worker, error=repr(answer))
+
+
+def _held_body(held: Held) -> dict[str, Any]:
+    assert held.path is not None
+    assert held.entry is not None
+    return {"episode_id": held.episode_id, "attempt": held.attempt, "path": str(held.path),
+            "entry": list(held.entry)}
+
+
+def _owner(owner: str | None) -> WorkerId | None:
+    return WorkerId(owner) if owner is not None else None
+
+
+def _duplicates(directory: Path, segments: list[ManifestSegment]) -> list[str]:
+    seen: set[str] = set()
+    twice: list[str] = []
+    for segment in segments:
+        for entry in read_index(directory / segment["file"]):
+            if entry.kind == "session":
+                if entry.id in seen:
+                    twice.append(entry.id)
+                seen.add(entry.id)
+    return twice
+
+
+def _blocker(kind: str, worker: str | None, ident: str | None, detail: str) -> dict[str, Any]:
+    return {"kind": kind, "worker": worker, "id": ident, "detail": detail}
