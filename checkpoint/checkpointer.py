@@ -203,9 +203,7 @@ class Checkpointer:
                     now,
                 )
                 break
-            wait = min(READINESS_POLL_S, action.deadline - now)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), wait)
+            await _wait(self._changed, min(READINESS_POLL_S, action.deadline - now))
         return await self._carry_out(step, "prepare", {})
 
     async def _commit(self, action: ph.WriteCheckpoint) -> Any:
@@ -296,14 +294,21 @@ class Checkpointer:
             self._rearm.clear()
             deadline = self.machine.next_deadline()
             wait = 3600.0 if deadline is None else max(deadline - self.clock(), 0.0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rearm.wait(), wait)
+            await _wait(self._rearm, wait)
             if self._rearm.is_set():
                 continue
             try:
                 await self._carry_out(self.machine.tick(self.clock()), "tick", {})
             except TetherError:
                 log.exception("lease_tick_failed")
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Wait for `event` at most `seconds`. Not `wait_for`: on 3.11 it can swallow a
+    cancellation that arrives as the event is set, and `stop()` would then hang."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
 
 
 def _count(segments: list[Any], directory: Path) -> dict[str, int]:

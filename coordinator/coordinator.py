@@ -93,13 +93,11 @@ class Coordinator:
 
     async def wait_for_workers(self, count: int, within_s: float) -> bool:
         """Whether `count` workers registered within `within_s` seconds."""
-        async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: len(self.links) >= count), within_s
-                )
-            except TimeoutError:
-                return False
+        try:
+            async with asyncio.timeout(within_s), self._changed:
+                await self._changed.wait_for(lambda: len(self.links) >= count)
+        except TimeoutError:
+            return False
         return True
 
     async def _register(self, channel: Channel, body: Any) -> dict[str, Any]:
