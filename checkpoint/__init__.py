@@ -1,3 +1,24 @@
-"""Checkpoints of an app's in-memory state (SPEC 5). Not built yet: see issue 3."""
+"""Checkpoints of an app's in-memory state (SPEC 5): what an app registers, the control
+API, the phase machine and the on-disk format."""
 
-__all__: list[str] = []
+from checkpoint.checkpointer import Checkpointer
+from checkpoint.inprocess import in_process
+from checkpoint.participant import (
+    Episode,
+    Participant,
+    SessionState,
+    declare_participant,
+    declared_participant,
+)
+from checkpoint.store import resolve_latest
+
+__all__ = [
+    "Checkpointer",
+    "Episode",
+    "Participant",
+    "SessionState",
+    "declare_participant",
+    "declared_participant",
+    "in_process",
+    "resolve_latest",
+]

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from coordinator.ctl import add_ctl_parser, run_ctl
 from coordinator.launcher import ServeOptions, serve
 
 
@@ -29,11 +30,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="restore this checkpoint, then resume, before serving")
     demo = commands.add_parser("demo", help="run the whole story on this machine")
     demo.add_argument("--sessions", type=int, default=1000)
+    add_ctl_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.command == "ctl":
+        sys.exit(run_ctl(args))
     if args.command == "demo":
         from coordinator.demo import main as demo
 

@@ -13,8 +13,14 @@ EXPECTED = {
         "declare", "ended", "lost_verification", "mcp_kind", "mint_session_token",
         "seed_rejected", "session_lost", "tether_error_response", "worker_of",
     },
-    "coordinator": {"ServeOptions", "serve"},
-    "checkpoint": set(),
+    "coordinator": {
+        "Blocked", "ControlError", "Controller", "ControllerError", "ServeOptions", "Server",
+        "ServerClient", "serve",
+    },
+    "checkpoint": {
+        "Checkpointer", "Episode", "Participant", "SessionState", "declare_participant",
+        "declared_participant", "in_process", "resolve_latest",
+    },
 }
 
 
