@@ -269,7 +269,11 @@ class TetherWorker:
         if hashlib.sha256(data).hexdigest() != tables["digest"]:
             raise TetherError("corrupt_checkpoint", "the restore's tables file changed")
         loaded = msgpack.unpackb(data, raw=False)
-        self.routing.tables.placed = loaded["placed"]
+        # A handful of worker IDs repeat across every entry: share one string each.
+        workers: dict[str, WorkerId] = {}
+        self.routing.tables.placed = {
+            sid: workers.setdefault(w, WorkerId(w)) for sid, w in loaded["placed"].items()
+        }
         self.routing.tables.aliases = loaded["aliases"]
 
     def _apply_live(self, workers: list[str]) -> None:
