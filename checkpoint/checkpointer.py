@@ -228,8 +228,9 @@ class Checkpointer:
             elif error.code == "not_ready":
                 code = "not_ready"
             event = ph.CommitFailed(cid, code, error.detail)
-        except OSError as error:
-            event = ph.CommitFailed(cid, "commit_failed", str(error))
+        except Exception as error:  # the app's export or the disk: the commit fails, cleanly
+            log.exception("commit_error", checkpoint_id=cid)
+            event = ph.CommitFailed(cid, "commit_failed", f"{type(error).__name__}: {error}")
         log.info(
             "commit_finished",
             checkpoint_id=cid,
@@ -268,6 +269,11 @@ class Checkpointer:
             event = ph.RestoreFailed(key.checkpoint_id, "deadline_exceeded", "restore timed out")
         except TetherError as error:
             event = ph.RestoreFailed(key.checkpoint_id, error.code, error.detail)
+        except Exception as error:  # the app's install failed; the fleet released it all
+            log.exception("restore_error", checkpoint_id=key.checkpoint_id)
+            event = ph.RestoreFailed(
+                key.checkpoint_id, "incompatible_state", f"{type(error).__name__}: {error}"
+            )
         log.info("restore_finished", checkpoint_id=key.checkpoint_id,
                  ok=isinstance(event, ph.RestoreDone), dry_run=key.dry_run)
         return await self._carry_out(self.machine.handle(event, self.clock()), "restore", {})

@@ -159,7 +159,7 @@ class LocalFleet:
         await self.participant.release_all()
 
     async def retire(self, episode_id: str, attempt: int) -> list[dict[str, Any]]:
-        return [self.participant.retire(episode_id, attempt)]
+        return [await self.participant.retire(episode_id, attempt)]
 
     async def forget(self, episode_ids: list[str]) -> list[str]:
         return self.participant.forget(episode_ids)

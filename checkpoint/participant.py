@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,6 +61,8 @@ class Held:
     entry: IndexEntry | None = None
     state: Any = None
     claimed_by: str | None = None
+    done: bool = False
+    """Continued to the end: kept claimed so an older or repeated attempt is refused."""
 
     def load(self) -> Any:
         """The record's state (read from its segment unless handed back in memory)."""
@@ -82,10 +84,16 @@ class Episode:
     state: Any = None
     boundaries: int = 0
     parked: bool = False
+    retired: bool = False
+    disconnected: Callable[[], Awaitable[bool]] | None = field(default=None, repr=False)
+    task: asyncio.Task[Any] | None = field(default=None, repr=False)
+    finished: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     async def boundary(self, state: Any) -> None:
         """Record a safe point; park here while a checkpoint is open."""
         self.participant.check_attempt(self.episode_id, self.attempt)
+        if self.disconnected is not None and await self.disconnected():
+            raise ClientGone(f"the client of {self.episode_id!r} left")
         self.state = state
         self.boundaries += 1
         if self.participant.admission_closed:
@@ -127,6 +135,10 @@ class RemoteRecords(Protocol):
     async def hand_back(self, held: Held) -> None:
         """The claiming request ended early: hold the record again (by location)."""
         ...
+
+
+class ClientGone(Exception):
+    """The request's client disconnected; its claimed record is handed back."""
 
 
 class Participant:
@@ -249,8 +261,17 @@ class Participant:
             )
 
     @contextlib.asynccontextmanager
-    async def episode(self, episode_id: str, attempt: int) -> AsyncIterator[Episode]:
-        """Run one episode attempt; a restored record of attempt-1 is continued once."""
+    async def episode(
+        self,
+        episode_id: str,
+        attempt: int,
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[Episode]:
+        """Run one episode attempt; a restored record of attempt-1 is continued once.
+
+        `disconnected` (e.g. Starlette's `request.is_disconnected`) is checked at each
+        boundary, so a client that left hands a claimed record back instead of using it.
+        """
         if self.admission_closed:
             raise TetherError("checkpoint_parked", "a checkpoint is open; retry shortly")
         self.check_attempt(episode_id, attempt)
@@ -260,7 +281,8 @@ class Participant:
             held = await self.remote.claim(episode_id, attempt)
         else:
             held = self._claim_held(episode_id, attempt)
-        episode = Episode(self, episode_id, attempt)
+        episode = Episode(self, episode_id, attempt, disconnected=disconnected,
+                          task=asyncio.current_task())
         if held is not None:
             episode.resumed = episode.state = await asyncio.to_thread(held.load)
         self.episodes[(episode_id, attempt)] = episode
@@ -269,7 +291,17 @@ class Participant:
         try:
             yield episode
             finished = True
+        except asyncio.CancelledError:
+            if not episode.retired:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # stopped by retire, not by the server
+            raise TetherError(
+                "stale_attempt", f"attempt {attempt} of {episode_id!r} was retired"
+            ) from None
         finally:
+            episode.finished.set()
             del self.episodes[(episode_id, attempt)]
             if held is not None and finished:
                 await self._done(episode_id)  # continued exactly once
@@ -288,8 +320,8 @@ class Participant:
     async def _done(self, episode_id: str) -> None:
         if self.remote is not None:
             await self.remote.done(episode_id)
-        else:
-            self.held.pop(episode_id, None)
+        elif episode_id in self.held:
+            self.held[episode_id].done = True
 
     async def _hand_back(self, episode: Episode, held: Held) -> None:
         """A claimed request ended early: hold its latest boundary state again, for the
@@ -310,12 +342,21 @@ class Participant:
             held.path, held.entry = await asyncio.to_thread(_write_one, path, record)
         await self.remote.hand_back(held)
 
-    def retire(self, episode_id: str, attempt: int) -> dict[str, Any]:
-        """Mark the attempt (and older) retired, stop its work, drop held records."""
+    async def retire(self, episode_id: str, attempt: int, within_s: float = 30.0) -> dict[str, Any]:
+        """Mark the attempt (and older) retired, stop its running work (its request answers
+        409 `stale_attempt`), drop held records it could claim; answers once stopped."""
         self.retired[episode_id] = max(attempt, self.retired.get(episode_id, attempt))
-        stopped = sum(
-            1 for (eid, a) in self.episodes if eid == episode_id and a <= attempt
-        )
+        running = [e for (eid, a), e in self.episodes.items() if eid == episode_id and a <= attempt]
+        for episode in running:
+            episode.retired = True
+            if episode.task is not None and episode.task is not asyncio.current_task():
+                episode.task.cancel()
+        if running:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within_s):
+                    for episode in running:
+                        await episode.finished.wait()
+        stopped = sum(1 for e in running if e.finished.is_set())
         dropped = 0
         held = self.held.get(episode_id)
         if held is not None and held.attempt + 1 <= attempt:

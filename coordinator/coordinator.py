@@ -48,6 +48,8 @@ class Coordinator:
         self.name = name
         self.checkpoint_root = checkpoint_root
         self.links: dict[WorkerId, Link] = {}
+        self.ever_registered = False
+        """Once any worker registered, the app can start: a worker that dies is replaced."""
         self.stopping = False
         self.fleet: ChannelFleet | None = None
         self.checkpointer: Checkpointer | None = None
@@ -108,6 +110,7 @@ class Coordinator:
         if worker in self.links:
             raise TetherError("invalid_request", f"worker {worker} is already registered")
         self.links[worker] = Link(worker, pid, channel)
+        self.ever_registered = True
         started = time.perf_counter()
         # Every other worker learns the newcomer is live before the newcomer serves, so a
         # claim it makes is never mistaken for a dead worker's.

@@ -69,7 +69,7 @@ class ChannelFleet:
         if self.closed:
             self.lost.add(worker)
         for episode_id, held in list(self.held.items()):
-            if held.claimed_by == worker:
+            if held.claimed_by == worker and not held.done:
                 del self.held[episode_id]
                 self._lost_episodes.append(
                     {"episode_id": episode_id, "attempt": held.attempt + 1, "worker": worker}
@@ -258,7 +258,9 @@ class ChannelFleet:
         return _held_body(held)
 
     def done(self, episode_id: str) -> None:
-        self.held.pop(episode_id, None)
+        held = self.held.get(episode_id)
+        if held is not None:
+            held.done = True  # still claimed: an older or repeated attempt is refused
 
     def hand_back(self, body: dict[str, Any]) -> None:
         path, entry = Path(body["path"]), IndexEntry(*body["entry"])

@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -194,7 +194,7 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
         options.workers,
         env,
         (listener.fileno(),),
-        started=lambda: bool(coordinator.links),
+        started=lambda: coordinator.ever_registered,
         on_failure=fail,
     )
     loop = asyncio.get_running_loop()
@@ -209,6 +209,9 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
             exit_code = 1
             stop.set()
         elif ready.done() and ready.result():
+            # A replacement worker starts empty; it must not restore the checkpoint again.
+            replacements = replace(settings, restore=None)
+            supervisor.set_env({**os.environ, CONFIG_ENV: replacements.to_json()})
             where = f"[{host}]" if ":" in host else host
             print(f"tether serving http://{where}:{port} with {options.workers} workers",
                   flush=True)

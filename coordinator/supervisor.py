@@ -41,6 +41,10 @@ class Supervisor:
         self._watchers: set[asyncio.Task[None]] = set()
         self._stopping = False
 
+    def set_env(self, env: dict[str, str]) -> None:
+        """The environment of workers started from now on (replacements)."""
+        self._env = env
+
     @property
     def pids(self) -> list[int]:
         return sorted(self._procs)

@@ -242,7 +242,7 @@ class TetherWorker:
             await participant.release_all()
             self.routing.tables.placed, self.routing.tables.aliases = {}, {}
         elif kind == "retire":
-            return participant.retire(body["episode_id"], body["attempt"])
+            return await participant.retire(body["episode_id"], body["attempt"])
         elif kind == "forget":
             return participant.forget(body["episode_ids"])
         return None

@@ -41,7 +41,9 @@ def create_app() -> Starlette:
         except (ValueError, ValidationError) as error:
             raise TetherError("invalid_request", str(error)) from None
         worker = worker_of(request.scope) or f"pid-{os.getpid()}"
-        async with participant.episode(body.episode_id, body.attempt) as episode:
+        async with participant.episode(
+            body.episode_id, body.attempt, request.is_disconnected
+        ) as episode:
             state: dict[str, Any] = dict(episode.resumed or {"step": 0, "workers": []})
             resumed_from = int(state["step"])
             for _ in range(resumed_from, body.steps):
