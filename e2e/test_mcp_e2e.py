@@ -288,3 +288,46 @@ def _session_headers(session_id: str) -> dict[str, str]:
         "mcp-session-id": session_id,
         "mcp-protocol-version": "2025-06-18",
     }
+
+
+async def test_prepare_with_open_sessions_and_idle_tools_answers_prepared(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """Standing GET streams are never requests in progress, and the preset registers no
+    state: a checkpoint does not wait for MCP sessions (SPEC 4.7)."""
+    server = serve(APP, 2, "--sessions", "mcp", "--checkpoint-root", str(tmp_path),
+                   "--name", "mcp")
+    headers = {"authorization": f"Bearer {server.token}"}
+    opened, release = asyncio.Event(), asyncio.Event()
+    counts: list[Any] = []
+
+    async def one_session() -> None:
+        async with (
+            new_connection_client() as http,
+            streamable_http_client(server.url + "/mcp", http_client=http) as (read, write, _),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            await session.call_tool("increment")
+            opened.set()
+            await release.wait()  # the session stays open, its GET stream standing
+            counts.append(((await session.call_tool("get")).structuredContent or {}).get("count"))
+
+    sessions = [asyncio.create_task(one_session()) for _ in range(10)]
+    try:
+        await asyncio.wait_for(opened.wait(), 30)
+        async with httpx.AsyncClient() as control:
+            prepared = await control.post(
+                f"{server.url}/_tether/prepare", headers=headers,
+                json={"checkpoint_id": "mcp-1", "deadline_s": 5},
+            )
+            assert prepared.status_code == 200, prepared.text
+            assert prepared.json()["state"] == "prepared", prepared.json()
+            resumed = await control.post(
+                f"{server.url}/_tether/resume", headers=headers, json={"checkpoint_id": "mcp-1"}
+            )
+            assert resumed.status_code == 200
+    finally:
+        release.set()
+        await asyncio.gather(*sessions, return_exceptions=True)
+    assert counts == [1] * 10
