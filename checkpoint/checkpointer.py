@@ -263,7 +263,8 @@ class Checkpointer:
         try:
             async with asyncio.timeout(max(action.deadline - self.clock(), 0.001)):
                 checkpoint = await asyncio.to_thread(load_checkpoint, root, key.checkpoint_id, name)
-                answer = await self.fleet.restore(checkpoint, key.scope, key.dry_run)
+                within_s = action.deadline - self.clock()
+                answer = await self.fleet.restore(checkpoint, key.scope, key.dry_run, within_s)
             event = ph.RestoreDone(key.checkpoint_id, answer)
         except TimeoutError:
             event = ph.RestoreFailed(key.checkpoint_id, "deadline_exceeded", "restore timed out")

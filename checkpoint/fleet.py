@@ -41,9 +41,10 @@ class Fleet(Protocol):
         ...
 
     async def restore(
-        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool
+        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool, within_s: float
     ) -> dict[str, Any]:
-        """Install every worker's records, all or nothing; returns the restore answer."""
+        """Install every worker's records, all or nothing, within `within_s` seconds
+        (`workers_missing` if the configured workers did not register by then)."""
         ...
 
     async def release_installed(self) -> None: ...
@@ -106,14 +107,14 @@ class LocalFleet:
     async def export(
         self, pending: PendingCommit, scope: frozenset[str] | None
     ) -> tuple[list[str], list[ManifestSegment]]:
-        name = self.worker or _local_worker_name()
+        name = self.participant.worker or _local_worker_name()
         info = await self.participant.export(
             pending.segment_path(name), scope, self.worker, self.is_open
         )
         return [name], [{**info, "worker": name}]
 
     async def restore(
-        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool
+        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool, within_s: float
     ) -> dict[str, Any]:
         version = checkpoint.manifest.get("state_version")
         if version != self.participant.state_version:

@@ -33,7 +33,8 @@ log = structlog.get_logger("tether.fleet")
 
 CALL_TIMEOUT_S = 5.0
 WORK_TIMEOUT_S = 3600.0
-WORKERS_WAIT_S = 30.0
+WORKERS_MARGIN_S = 0.05
+"""Left of a restore's deadline after waiting for workers, to answer workers_missing."""
 
 
 class ChannelFleet:
@@ -156,9 +157,10 @@ class ChannelFleet:
         return {str(old): str(new) for old, new in self.aliases.items()}
 
     async def restore(
-        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool
+        self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool, within_s: float
     ) -> dict[str, Any]:
-        if not await self.coordinator.wait_for_workers(self.expected_workers, WORKERS_WAIT_S):
+        wait = max(within_s - WORKERS_MARGIN_S, 0.0)
+        if not await self.coordinator.wait_for_workers(self.expected_workers, wait):
             raise TetherError("workers_missing", f"{len(self.coordinator.links)} of "
                               f"{self.expected_workers} workers registered")
         version = checkpoint.manifest.get("state_version")
