@@ -300,6 +300,7 @@ async def test_prepare_with_open_sessions_and_idle_tools_answers_prepared(
     headers = {"authorization": f"Bearer {server.token}"}
     opened, release = asyncio.Event(), asyncio.Event()
     counts: list[Any] = []
+    ready: list[int] = []
 
     async def one_session() -> None:
         async with (
@@ -309,7 +310,9 @@ async def test_prepare_with_open_sessions_and_idle_tools_answers_prepared(
         ):
             await session.initialize()
             await session.call_tool("increment")
-            opened.set()
+            ready.append(1)
+            if len(ready) == 10:
+                opened.set()  # every session is open before the checkpoint closes admission
             await release.wait()  # the session stays open, its GET stream standing
             counts.append(((await session.call_tool("get")).structuredContent or {}).get("count"))
 
