@@ -300,3 +300,34 @@ async def test_a_restore_without_enough_workers_by_its_deadline_is_workers_missi
         assert not problems, problems[:3]
     # SPEC 5.6: 503 workers_missing when the workers do not register within the deadline.
     assert (reply.status, reply.code) == (503, "workers_missing"), reply
+
+
+async def test_two_workers_exporting_one_session_block_the_commit_with_session_duplicate(
+    serve: Serve, tmp_path: Path
+) -> None:
+    server = serve("e2e.apps.adopt:app", 2, "--checkpoint-root", str(tmp_path), "--name", "dup")
+    async with Http(server.url) as http:
+        workers = [w["id"] for w in (await server.status(http))["workers"]]
+        assert len(workers) == 2
+        for worker in workers:
+            adopted = await http.request(
+                "POST", "/adopt", json={"session_id": "twice"}, headers={"x-tether-worker": worker}
+            )
+            assert adopted.status == 200
+        control = {"authorization": f"Bearer {server.token}"}
+        prepared = await http.request(
+            "POST", "/_tether/prepare", json={"checkpoint_id": "d1"}, headers=control
+        )
+        assert prepared.json["state"] == "prepared"
+        committed = await http.request(
+            "POST", "/_tether/commit", json={"checkpoint_id": "d1"}, headers=control
+        )
+        assert committed.status == 409
+        assert committed.code == "not_ready"
+        blockers = committed.json["detail"]["blockers"]
+        assert [(b["kind"], b["id"]) for b in blockers] == [("session_duplicate", "twice")]
+        assert not (tmp_path / "d1" / "dup").exists()  # nothing published
+        resumed = await http.request(
+            "POST", "/_tether/resume", json={"checkpoint_id": "d1"}, headers=control
+        )
+        assert resumed.status == 200
