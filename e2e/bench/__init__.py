@@ -3,3 +3,34 @@
 
 Every figure is a ratio against a baseline measured in the same run.
 """
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from collections.abc import Iterable
+from importlib import metadata
+from typing import Any
+
+
+def machine(packages: Iterable[str]) -> dict[str, Any]:
+    """What a benchmark ran on: CPUs, CPU model, Python, platform, package versions."""
+    model = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as file:
+        model = next(
+            (line.split(":", 1)[1].strip() for line in file if line.startswith("model name")),
+            model,
+        )
+    versions = {}
+    for package in packages:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": versions,
+    }
+

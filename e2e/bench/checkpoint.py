@@ -23,10 +23,11 @@ Each repetition:
    the functions the app uses) packed with one `msgpack.Packer` into one buffered file,
    then fsynced.
 3. A fresh server B (no `--restore`): `POST /_tether/restore`, then resume, timed; right
-   before or after the restore call (alternating), the baseline restore: a fresh Python
-   process, as the fresh server is, reads that file back through a streaming
-   `msgpack.Unpacker`, keeping every record in a list (timed inside it, start-up
-   excluded).
+   before the restore call, the baseline restore: a fresh Python process, as the fresh
+   server is, reads that file back through a streaming `msgpack.Unpacker`, keeping every
+   record in a list (timed inside it, start-up excluded). Always before, not alternating:
+   on this VM whichever process faults in memory right after another took ~1 GB pays
+   3-4x the system time for its page faults, and the baseline is the one that shows it.
 4. A server C started with `--restore ID`: time until it serves, against B's start.
 
 Both restored servers are checked: 100,000 sessions whose states hash (`GET
@@ -55,7 +56,6 @@ import contextlib
 import http.client
 import json
 import os
-import platform
 import re
 import resource
 import secrets
@@ -69,13 +69,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from checkpoint.store import read_manifest_digest, write_checkpoint_json
+from e2e.bench import machine
 from e2e.bench.state_app import episode_record, session_record
 
 REPO = Path(__file__).resolve().parents[2]
@@ -258,10 +258,11 @@ def start_server(work: Path, label: str, root: Path, restore: str | None = None)
     return server
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time the process has used so far."""
+def cpu_seconds(pid: int, system_only: bool = False) -> float:
+    """User plus system (or only system) CPU time the process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[12]) if system_only else int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -404,6 +405,7 @@ class Measured:
 
     seconds: float = 0.0
     cpu_s: float = 0.0
+    system_s: float = 0.0
     other_cpus: float = 0.0
 
 
@@ -413,11 +415,13 @@ def measure(pid: int) -> Iterator[Measured]:
     measured = Measured()
     me = os.getpid()
     ticks, cpu, own = cpu_ticks(), cpu_seconds(pid), cpu_seconds(me)
+    system = cpu_seconds(pid, system_only=True)
     started = time.perf_counter()
     yield measured
     measured.seconds = time.perf_counter() - started
     busy = (cpu_ticks()[0] - ticks[0]) / os.sysconf("SC_CLK_TCK")
     measured.cpu_s = cpu_seconds(pid) - cpu
+    measured.system_s = cpu_seconds(pid, system_only=True) - system
     ours = measured.cpu_s + (cpu_seconds(me) - own if pid != me else 0.0)
     measured.other_cpus = max(busy - ours, 0.0) / measured.seconds
 
@@ -522,6 +526,7 @@ def checkpoint_round(
         "commit_s": commit.seconds,
         "commit_logged_s": logged[-1]["seconds"] if logged else None,
         "commit_worker_cpu_s": commit.cpu_s,
+        "commit_worker_system_s": commit.system_s,
         "commit_other_cpus": commit.other_cpus,
         "baseline_commit": baseline,
         "resume_s": resume_s,
@@ -535,20 +540,18 @@ def checkpoint_round(
 def restore_round(
     work: Path, root: Path, rep: int, checkpoint_id: str, profile: bool
 ) -> dict[str, Any]:
-    """Server B: restore + resume through the control API, back to back with the baseline
-    restore (the order alternating by repetition). Server C: `--restore`."""
+    """Server B: the baseline restore, then restore + resume through the control API.
+    Server C: `--restore`."""
     fresh = start_server(work, f"b{rep}", root)
     try:
         control = fresh.control()
         pid = fresh.worker_pid
-        baseline: dict[str, Any] = {}
-        for step in ("tether", "baseline") if rep % 2 == 0 else ("baseline", "tether"):
-            if step == "tether":
-                with sampled(pid, work / f"restore-{rep}.txt", profile), measure(pid) as done:
-                    answer, _ = control.call("restore", checkpoint_id=checkpoint_id)
-                restore = done
-            else:
-                baseline = baseline_restore_fresh(work / f"baseline-{rep}.msgpack")
+        # Always first: on this VM a process that faults in memory right after another
+        # one took ~1 GB pays 3-4x the system time for its page faults (0.8-0.9 s instead
+        # of 0.25 s for the baseline), while the restore's own stays 0.3-0.4 s either way.
+        baseline = baseline_restore_fresh(work / f"baseline-{rep}.msgpack")
+        with sampled(pid, work / f"restore-{rep}.txt", profile), measure(pid) as restore:
+            answer, _ = control.call("restore", checkpoint_id=checkpoint_id)
         _, resume_s = control.call("resume", checkpoint_id=checkpoint_id)
         status, _ = control.call("status")
         digest, _ = control.ok("GET", "/bench/digest")
@@ -560,6 +563,7 @@ def restore_round(
         "restore_s": restore.seconds,
         "resume_s": resume_s,
         "restore_worker_cpu_s": restore.cpu_s,
+        "restore_worker_system_s": restore.system_s,
         "restore_other_cpus": restore.other_cpus,
         "baseline_restore": baseline,
         "installed_sessions": answer["installed_sessions"],
@@ -644,7 +648,7 @@ def run(reps: int, scale: Scale, profile: bool) -> dict[str, Any]:
         "command": command_line(reps, scale, profile),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
-            **machine(),
+            **machine(PACKAGES),
             "load_average_before": load_before,
             "load_average_after": [round(v, 2) for v in os.getloadavg()],
             "machine_busy_share": _busy(ticks_before, ticks_after),
@@ -662,8 +666,9 @@ def run(reps: int, scale: Scale, profile: bool) -> dict[str, Any]:
             "baseline's file through a streaming msgpack.Unpacker, every record kept in a "
             "list",
             "timings": "wall time of each HTTP call over a kept-alive connection, from "
-            "this process; each baseline runs right before or after its tether step "
-            "(alternating), while the server is prepared (commit) or fresh (restore)",
+            "this process; the commit baseline runs right before or after the commit "
+            "(alternating) while the server sits prepared, the restore baseline right "
+            "before the restore call on the fresh server (see the module docstring)",
         },
         "work_dir_removed": not work.exists(),
         "seconds": round(time.perf_counter() - started, 1),
@@ -782,24 +787,7 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
 # Reporting
 
 
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as file:
-        for line in file:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    versions = {}
-    for package in ("msgpack", "uvicorn", "starlette", "httptools", "uvloop", "structlog"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[package] = metadata.version(package)
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "packages": versions,
-    }
+PACKAGES = ("msgpack", "uvicorn", "starlette", "httptools", "uvloop", "structlog")
 
 
 def command_line(reps: int, scale: Scale, profile: bool) -> str:

@@ -33,7 +33,6 @@ import gc
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import signal
@@ -45,9 +44,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from e2e.bench import machine
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "e2e" / "bench" / "results" / "mcp.json"
@@ -367,24 +367,8 @@ def _announced_port(out_path: str, process: subprocess.Popen[bytes]) -> int:
     raise RuntimeError(f"tether serve did not start within {START_TIMEOUT_S} s")
 
 
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as file:
-        model = next(
-            (line.split(":", 1)[1].strip() for line in file if line.startswith("model name")),
-            model,
-        )
-    versions = {}
-    for package in ("mcp", "uvicorn", "starlette", "httptools", "uvloop", "sse-starlette"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[package] = metadata.version(package)
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "packages": versions,
-    }
+PACKAGES = ("mcp", "uvicorn", "starlette", "httptools", "uvloop", "sse-starlette")
+
 
 
 def table(result: dict[str, Any]) -> str:
@@ -434,7 +418,7 @@ def run(rounds: int, warmup: int) -> dict[str, Any]:
         "holder": holder,
         "rounds": rounds,
         "warmup": warmup,
-        "machine": machine(),
+        "machine": machine(PACKAGES),
         "variants": stats,
         "figures": figures(stats),
     }

@@ -42,7 +42,6 @@ import gc
 import json
 import math
 import os
-import platform
 import re
 import secrets
 import shutil
@@ -56,11 +55,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib import metadata
 from itertools import repeat
 from pathlib import Path
 from typing import Any
 
+from e2e.bench import machine
 from routing.claims import FileClaimStore, WorkerClaims
 from routing.lifetimes import Lifetimes
 from routing.types import SessionId, WorkerId, new_worker_id
@@ -592,24 +591,8 @@ def _syscalls_per_lookup(
 # Reporting
 
 
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as file:
-        for line in file:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    versions = {}
-    for package in ("uvicorn", "starlette", "aiohttp", "httptools", "uvloop", "structlog"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[package] = metadata.version(package)
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "packages": versions,
-    }
+PACKAGES = ("uvicorn", "starlette", "aiohttp", "httptools", "uvloop", "structlog")
+
 
 
 def code_version() -> dict[str, Any]:
@@ -874,7 +857,7 @@ def run(rounds: int, warmup: int, diagnose: bool) -> dict[str, Any]:
         + (" --diagnose" if diagnose else ""),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
-            **machine(),
+            **machine(PACKAGES),
             "load_average_before": load_before,
             "load_average_after": load_average(),
             "other_work_cpu_percent": other_work,
