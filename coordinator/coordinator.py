@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from checkpoint.checkpointer import Checkpointer
-from coordinator.channel import Channel, ChannelLost, Handler, RemoteError
+from coordinator.channel import Channel, ChannelLost, Handler
 from coordinator.fleet import ChannelFleet
 from routing.errors import TetherError
 from routing.types import WorkerId, worker_id_or_none
@@ -26,7 +26,6 @@ CONTROL_CALLS = frozenset(
     {"prepare", "commit", "resume", "renew", "restore", "abort_restore", "retire", "forget"}
 )
 EPISODE_CALLS = frozenset({"claim_episode", "episode_done", "hand_back"})
-STATS_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -65,8 +64,6 @@ class Coordinator:
         async def handle(kind: str, body: Any) -> Any:
             if kind == "register":
                 return await self._register(channel, body)
-            if kind == "status" and self.checkpointer is None:
-                return await self.status()
             if kind == "status" or kind in CONTROL_CALLS:
                 if self.checkpointer is None:
                     raise TetherError("unsupported_topology", "this server has no checkpointer")
@@ -154,45 +151,3 @@ class Coordinator:
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, Exception) and not isinstance(result, ChannelLost):
                 log.warning("live_broadcast_failed", error=repr(result))
-
-    async def status(self) -> dict[str, Any]:
-        """The server's status document (SPEC 6)."""
-        links = list(self.links.values())
-        answers = await asyncio.gather(
-            *(link.channel.request("stats", timeout=STATS_TIMEOUT_S) for link in links),
-            return_exceptions=True,
-        )
-        workers = []
-        for link, answer in zip(links, answers, strict=True):
-            if isinstance(answer, dict):
-                workers.append(answer)
-            else:
-                if not isinstance(answer, ChannelLost | RemoteError | TimeoutError):
-                    log.warning("stats_failed", worker_id=link.worker, error=repr(answer))
-                workers.append(_unreported(link))
-        return {
-            "name": self.name,
-            "phase": "open",
-            "checkpoint_id": None,
-            "lease_expires_at": None,
-            "expected_workers": self.expected_workers,
-            "workers": sorted(workers, key=lambda w: w["id"]),
-            "held_episodes": [],
-            "lost_episodes": [],
-            "tables": {"placed_sessions": 0, "owner_aliases": 0},
-            "blockers": [],
-            "blockers_total": 0,
-            "checkpoint_root": self.checkpoint_root,
-        }
-
-
-def _unreported(link: Link) -> dict[str, Any]:
-    return {
-        "id": link.worker,
-        "pid": link.pid,
-        "sessions": None,
-        "claims": None,
-        "episodes": None,
-        "forwarded": None,
-        "served_forwarded": None,
-    }
