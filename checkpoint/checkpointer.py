@@ -18,7 +18,6 @@ import structlog
 
 from checkpoint import phases as ph
 from checkpoint.fleet import Fleet
-from checkpoint.segments import read_index
 from checkpoint.store import begin_commit, load_checkpoint
 from routing.errors import TetherError
 
@@ -243,12 +242,12 @@ class Checkpointer:
         root, name = self._where()
         pending = await asyncio.to_thread(begin_commit, root, cid, name)
         try:
-            workers, segments = await self.fleet.export(pending, scope)
+            workers, segments, counts = await self.fleet.export(pending, scope)
             fields: Any = {
                 "workers": workers,
                 "owner_aliases": self.fleet.owner_aliases(),
                 "state_version": self.fleet.state_version,
-                "records": await asyncio.to_thread(_count, segments, Path(pending.temp_dir)),
+                "records": counts,
                 "segments": segments,
             }
             return await asyncio.to_thread(pending.publish, fields)
@@ -316,14 +315,6 @@ async def _wait(event: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
             await event.wait()
-
-
-def _count(segments: list[Any], directory: Path) -> dict[str, int]:
-    counts = {"sessions": 0, "episodes": 0}
-    for segment in segments:
-        for entry in read_index(directory / segment["file"]):
-            counts["sessions" if entry.kind == "session" else "episodes"] += 1
-    return counts
 
 
 def _render(answer: Any) -> Any:

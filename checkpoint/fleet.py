@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from checkpoint.participant import Participant
-from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit
+from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
 from routing.errors import TetherError
 
 
@@ -36,8 +36,9 @@ class Fleet(Protocol):
 
     async def export(
         self, pending: PendingCommit, scope: frozenset[str] | None
-    ) -> tuple[list[str], list[ManifestSegment]]:
-        """Every worker writes its own segment; returns the worker IDs and segments."""
+    ) -> tuple[list[str], list[ManifestSegment], RecordCounts]:
+        """Every worker writes its own segment; returns the worker IDs, the segments and
+        the records counted by kind."""
         ...
 
     async def restore(
@@ -106,12 +107,15 @@ class LocalFleet:
 
     async def export(
         self, pending: PendingCommit, scope: frozenset[str] | None
-    ) -> tuple[list[str], list[ManifestSegment]]:
+    ) -> tuple[list[str], list[ManifestSegment], RecordCounts]:
         name = self.participant.worker or _local_worker_name()
         info = await self.participant.export(
             pending.segment_path(name), scope, self.worker, self.is_open
         )
-        return [name], [{**info, "worker": name}]
+        segment: ManifestSegment = {"file": info["file"], "bytes": info["bytes"],
+                                    "records": info["records"], "digest": info["digest"],
+                                    "worker": name}
+        return [name], [segment], {"sessions": info["sessions"], "episodes": info["episodes"]}
 
     async def restore(
         self, checkpoint: Checkpoint, scope: frozenset[str] | None, dry_run: bool, within_s: float

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -135,6 +136,13 @@ class RemoteRecords(Protocol):
     async def hand_back(self, held: Held) -> None:
         """The claiming request ended early: hold the record again (by location)."""
         ...
+
+
+class Exported(SegmentInfo):
+    """A segment this worker wrote, with its records counted by kind."""
+
+    sessions: int
+    episodes: int
 
 
 class ClientGone(Exception):
@@ -381,23 +389,29 @@ class Participant:
         owner: str | None,
         is_open: Callable[[str], bool],
         carried: Iterable[Held] = (),
-    ) -> SegmentInfo:
+    ) -> Exported:
         """Write this worker's records to its segment, packing on the loop in batches and
         writing in a thread. Parked episodes and unclaimed held records in `scope` go in
         (held ones relabelled to the attempt that would have claimed them)."""
         writer = SegmentWriter(path)
+        counts = {"session": 0, "episode": 0}
+        gc.freeze()  # admission is closed: keep full collections off the app's states
         try:
             batch: list[dict[str, Any]] = []
             for record in self._records(scope, owner, is_open, list(carried)):
+                counts[record["kind"]] += 1
                 batch.append(record)
                 if len(batch) >= EXPORT_BATCH:
                     await asyncio.to_thread(_add_all, writer, batch)
                     batch = []
             await asyncio.to_thread(_add_all, writer, batch)
-            return await asyncio.to_thread(writer.close)
+            info = await asyncio.to_thread(writer.close)
         except BaseException:
             await asyncio.to_thread(writer.discard)
             raise
+        finally:
+            gc.unfreeze()
+        return {**info, "sessions": counts["session"], "episodes": counts["episode"]}
 
     def _records(
         self,
@@ -433,9 +447,13 @@ class Participant:
     async def install(self, path: Path, entries: list[IndexEntry]) -> int:
         """Install this worker's sessions from one segment; returns how many."""
         assert self.provider is not None, "no session state registered"
-        records = await asyncio.to_thread(lambda: list(read_records(path, entries)))
-        for record in records:
-            await self.provider.install(record["id"], record["state"])
+        gc.freeze()  # a fresh server: nothing to collect, many states arriving
+        try:
+            records = await asyncio.to_thread(lambda: list(read_records(path, entries)))
+            for record in records:
+                await self.provider.install(record["id"], record["state"])
+        finally:
+            gc.unfreeze()
         self.restored = True
         return len(records)
 

@@ -20,7 +20,7 @@ import structlog
 
 from checkpoint.participant import Held, check_claim
 from checkpoint.segments import IndexEntry, read_index
-from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit
+from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
 from coordinator.channel import ChannelLost
 from coordinator.placement import place
 from routing.errors import TetherError
@@ -120,7 +120,7 @@ class ChannelFleet:
 
     async def export(
         self, pending: PendingCommit, scope: frozenset[str] | None
-    ) -> tuple[list[str], list[ManifestSegment]]:
+    ) -> tuple[list[str], list[ManifestSegment], RecordCounts]:
         links = sorted(self.coordinator.links)
         if not links:
             raise TetherError("commit_failed", "no worker is registered")
@@ -138,9 +138,12 @@ class ChannelFleet:
             calls.append(self._call(worker, "export", body, WORK_TIMEOUT_S))
         answers = await asyncio.gather(*calls, return_exceptions=True)
         segments: list[ManifestSegment] = []
+        counts: RecordCounts = {"sessions": 0, "episodes": 0}
         for worker, answer in zip(links, answers, strict=True):
             if isinstance(answer, BaseException):
                 raise TetherError("commit_failed", f"worker {worker}: {answer!r}")
+            counts["sessions"] += answer["sessions"]
+            counts["episodes"] += answer["episodes"]
             segments.append({"file": answer["file"], "bytes": answer["bytes"],
                              "records": answer["records"], "digest": answer["digest"],
                              "worker": worker})
@@ -151,7 +154,7 @@ class ChannelFleet:
                              for sid in duplicates[:100]],
                 "blockers_total": len(duplicates),
             })
-        return list(links), segments
+        return list(links), segments, counts
 
     def owner_aliases(self) -> dict[str, str]:
         return {str(old): str(new) for old, new in self.aliases.items()}
