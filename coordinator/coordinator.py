@@ -67,12 +67,20 @@ class Coordinator:
             if kind == "status" or kind in CONTROL_CALLS:
                 if self.checkpointer is None:
                     raise TetherError("unsupported_topology", "this server has no checkpointer")
-                return await self.checkpointer.call(kind, body or {})
+                answer = await self.checkpointer.call(kind, body or {})
+                if kind == "status":
+                    answer["channel_bytes"] = self.channel_bytes()
+                return answer
             if self.fleet is not None and kind in EPISODE_CALLS:
                 return self._episode_call(channel, kind, body)
             raise TetherError("invalid_request", f"unknown call {kind!r}")
 
         return handle
+
+    def channel_bytes(self) -> int:
+        """Bytes the live workers' channels carried both ways: records never do."""
+        channels = [link.channel for link in self.links.values()]
+        return sum(c.bytes_sent + c.bytes_received for c in channels)
 
     async def on_channel(self, channel: Channel) -> None:
         """Wait for a worker's channel to close, then drop the worker from the live set."""

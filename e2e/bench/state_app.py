@@ -151,8 +151,8 @@ def create_app() -> Starlette:
 
     async def bulk_sessions(request: Request) -> JSONResponse:
         body = await request.json()
-        n, size = int(body["n"]), int(body["size"])
-        for index in range(n):
+        n, size, start = int(body["n"]), int(body["size"]), int(body.get("start", 0))
+        for index in range(start, start + n):
             states.states[session_id(index)] = make_state(index, size)
         return JSONResponse({"sessions": len(states.states)})
 
