@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import signal
+import subprocess
 from collections.abc import Iterable
 from importlib import metadata
 from typing import Any
@@ -34,3 +36,19 @@ def machine(packages: Iterable[str]) -> dict[str, Any]:
         "packages": versions,
     }
 
+
+
+STOP_TIMEOUT_S = 30.0
+
+
+def stop(process: subprocess.Popen[bytes]) -> int:
+    """SIGTERM, then SIGKILL to its process group if it has not exited in time."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode

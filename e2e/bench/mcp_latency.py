@@ -35,7 +35,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -47,7 +46,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from e2e.bench import machine
+from e2e.bench import machine, stop
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "e2e" / "bench" / "results" / "mcp.json"
@@ -56,7 +55,6 @@ APP = "examples.mcp_counter:app"
 VARIANTS = ("direct", "forwarded", "health direct", "health forwarded")
 PROTOCOL = "2025-06-18"
 START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 30.0
 CLIENT_TIMEOUT_S = 10.0
 CONNECT_ATTEMPTS = 200
 
@@ -344,14 +342,7 @@ def tether_serve(log_dir: str) -> Iterator[int]:
     try:
         yield _announced_port(out_path, process)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop(process)
 
 
 def _announced_port(out_path: str, process: subprocess.Popen[bytes]) -> int:

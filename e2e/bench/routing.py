@@ -45,7 +45,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -59,7 +58,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import Any
 
-from e2e.bench import machine
+from e2e.bench import machine, stop
 from routing.claims import FileClaimStore, WorkerClaims
 from routing.lifetimes import Lifetimes
 from routing.types import SessionId, WorkerId, new_worker_id
@@ -72,7 +71,6 @@ COMMAND = ".venv/bin/python -m e2e.bench.routing"
 VARIANTS = ("direct", "tether", "plain")
 WORKERS = 2
 START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 30.0
 CLIENT_TIMEOUT_S = 10.0
 CONNECT_ATTEMPTS = 50  # batches of new connections tried to find one on each worker
 CONNECT_BATCH = 4
@@ -278,17 +276,6 @@ def start_baseline(socket_path: str, log_dir: str) -> tuple[subprocess.Popen[byt
     return process, int(port)
 
 
-def stop(process: subprocess.Popen[bytes]) -> int:
-    """SIGTERM, then SIGKILL to its process group if it has not exited in time."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    return process.returncode
 
 
 # Finding the connections
