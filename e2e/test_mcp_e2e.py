@@ -293,8 +293,10 @@ def _session_headers(session_id: str) -> dict[str, str]:
 async def test_prepare_with_open_sessions_and_idle_tools_answers_prepared(
     serve: Serve, tmp_path: Path
 ) -> None:
-    """Standing GET streams are never requests in progress, and the preset registers no
-    state: a checkpoint does not wait for MCP sessions (SPEC 4.7)."""
+    """MCP sessions are routed, not checkpointed: the preset registers no state, so a
+    checkpoint does not wait for open sessions or their standing streams (SPEC 4.7).
+    (That a background route never counts as in progress is a separate rule of the
+    participant's admission; this test would pass without it.)"""
     server = serve(APP, 2, "--sessions", "mcp", "--checkpoint-root", str(tmp_path),
                    "--name", "mcp")
     headers = {"authorization": f"Bearer {server.token}"}
