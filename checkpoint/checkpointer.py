@@ -18,6 +18,7 @@ import structlog
 
 from checkpoint import phases as ph
 from checkpoint.fleet import Fleet
+from checkpoint.participant import Blockers
 from checkpoint.store import begin_commit, load_checkpoint
 from routing.errors import TetherError
 
@@ -46,7 +47,7 @@ class Checkpointer:
         self._changed = asyncio.Event()
         self._rearm = asyncio.Event()
         self._timer: asyncio.Task[None] | None = None
-        self._blockers: list[dict[str, Any]] = []
+        self._blockers = Blockers([], 0)
         fleet.on_change(self._changed.set)
 
     # Lifecycle -------------------------------------------------------------------
@@ -117,8 +118,8 @@ class Checkpointer:
             "held_episodes": self.fleet.held_episodes(),
             "lost_episodes": self.fleet.lost_episodes(),
             "tables": self.fleet.tables(),
-            "blockers": self._blockers[: ph.MAX_BLOCKERS],
-            "blockers_total": len(self._blockers),
+            "blockers": self._blockers.listed,
+            "blockers_total": self._blockers.total,
             "checkpoint_root": self.root,
         }
 
@@ -142,7 +143,7 @@ class Checkpointer:
             log.info("admission_closed", checkpoint_id=action.checkpoint_id)
         elif isinstance(action, ph.OpenAdmission):
             await self.fleet.open_admission()
-            self._blockers = []
+            self._blockers = Blockers([], 0)
             log.info("admission_opened", checkpoint_id=action.checkpoint_id)
         elif isinstance(action, ph.LogExpired):
             log.warning("lease_expired", checkpoint_id=action.checkpoint_id, phase=action.phase)
@@ -192,13 +193,12 @@ class Checkpointer:
             blockers = await self.fleet.blockers()
             self._blockers = blockers
             now = self.clock()
-            if not blockers:
+            if not blockers.total:
                 step = self.machine.handle(ph.Ready(action.checkpoint_id), now)
                 break
             if now >= action.deadline:
                 step = self.machine.handle(
-                    ph.ReadinessTimeout(action.checkpoint_id, blockers[: ph.MAX_BLOCKERS],
-                                        len(blockers)),
+                    ph.ReadinessTimeout(action.checkpoint_id, blockers.listed, blockers.total),
                     now,
                 )
                 break
@@ -210,9 +210,9 @@ class Checkpointer:
         started = time.perf_counter()
         event: ph.Event
         blockers = await self.fleet.blockers()
-        if blockers:
-            event = ph.CommitFailed(cid, "not_ready", {"blockers": blockers[: ph.MAX_BLOCKERS],
-                                                       "blockers_total": len(blockers)})
+        if blockers.total:
+            event = ph.CommitFailed(cid, "not_ready", {"blockers": blockers.listed,
+                                                       "blockers_total": blockers.total})
             return await self._carry_out(self.machine.handle(event, self.clock()), "commit", {})
         try:
             async with asyncio.timeout(max(action.deadline - self.clock(), 0.001)):
@@ -250,7 +250,9 @@ class Checkpointer:
                 "records": counts,
                 "segments": segments,
             }
-            return await asyncio.to_thread(pending.publish, fields)
+            # The fleet vouches for the counts: its writer counted them in this process,
+            # or it read every worker's index. Reading them again would double the cost.
+            return await asyncio.to_thread(pending.publish, fields, check_indexes=False)
         except BaseException:
             await asyncio.to_thread(pending.abort)
             raise

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from checkpoint.participant import Participant
+from checkpoint.participant import Blockers, Participant
 from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
 from routing.errors import TetherError
 
@@ -28,8 +28,9 @@ class Fleet(Protocol):
 
     async def open_admission(self) -> None: ...
 
-    async def blockers(self) -> list[dict[str, Any]]:
-        """Every worker's blockers, merged; empty when the server is ready."""
+    async def blockers(self) -> Blockers:
+        """Every worker's blockers, merged (the first few listed); a total of 0 when the
+        server is ready."""
         ...
 
     async def fresh(self) -> bool: ...
@@ -99,7 +100,7 @@ class LocalFleet:
     async def open_admission(self) -> None:
         self.participant.open_admission()
 
-    async def blockers(self) -> list[dict[str, Any]]:
+    async def blockers(self) -> Blockers:
         return self.participant.blockers()
 
     async def fresh(self) -> bool:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 
@@ -28,6 +30,10 @@ log = structlog.get_logger("tether.participant")
 
 EXPORT_BATCH = 512
 """Records packed on the event loop between two hand-offs to the writer thread."""
+LISTED_BLOCKERS = 100
+"""Blockers listed at most (SPEC 5.2); the rest are only counted."""
+APP_SCAN_S = 0.05
+"""How stale the app's busy flags may be in a report while other blockers remain."""
 
 
 class SessionState(Protocol):
@@ -98,12 +104,11 @@ class Episode:
         self.state = state
         self.boundaries += 1
         if self.participant.admission_closed:
-            self.parked = True
-            self.participant.changed()
+            self.participant.park(self, True)
             try:
                 await self.participant.wait_open()
             finally:
-                self.parked = False
+                self.participant.park(self, False)
             self.participant.check_attempt(self.episode_id, self.attempt)
 
 
@@ -138,6 +143,22 @@ class RemoteRecords(Protocol):
         ...
 
 
+class Blockers(NamedTuple):
+    """Why a worker (or a server) is not ready: the first few, and how many in all."""
+
+    listed: list[dict[str, Any]]
+    total: int
+
+    @classmethod
+    def merge(cls, parts: Iterable[Blockers], limit: int = LISTED_BLOCKERS) -> Blockers:
+        listed: list[dict[str, Any]] = []
+        total = 0
+        for part in parts:
+            listed.extend(part.listed[: limit - len(listed)])
+            total += part.total
+        return cls(listed, total)
+
+
 class Exported(SegmentInfo):
     """A segment this worker wrote, with its records counted by kind."""
 
@@ -159,6 +180,10 @@ class Participant:
         self.provider: SessionState | None = None
         self.worker: str | None = None
         self.episodes: dict[tuple[str, int], Episode] = {}
+        self._stepping: dict[tuple[str, int], Episode] = {}
+        """The episodes not parked at a boundary (each one blocks readiness)."""
+        self._app_busy = Blockers([], 0)
+        self._app_scanned = -APP_SCAN_S
         self.held: dict[str, Held] = {}
         self.retired: dict[str, int] = {}
         self._in_progress: dict[str, int] = {}
@@ -236,27 +261,52 @@ class Participant:
 
     # Readiness (SPEC 5.2) -------------------------------------------------------
 
-    def blockers(self) -> list[dict[str, Any]]:
-        """Why this worker is not ready; empty when it is."""
-        found: list[dict[str, Any]] = []
+    def blockers(self) -> Blockers:
+        """Why this worker is not ready (nothing listed and a total of 0 when it is).
+
+        Requests in progress and stepping episodes are known here as they change; the
+        app's `busy` flags are polled over every session, so that scan runs only when
+        nothing else blocks or the last one is `APP_SCAN_S` old: a prepare that waits
+        for 10,000 episodes to park does not scan 100,000 sessions at each park.
+        """
         worker = self.worker
-        for session_id in self._in_progress:
-            found.append(_blocker("session_busy", worker, session_id, "a request is in progress"))
-        if self.provider is not None:
-            for session_id in self.provider.sessions():
-                if session_id not in self._in_progress and self.provider.busy(session_id):
-                    found.append(_blocker("session_busy", worker, session_id, "the app is busy"))
-        for episode in self.episodes.values():
-            if not episode.parked:
-                found.append(
-                    _blocker(
-                        "episode_running",
-                        worker,
-                        episode.episode_id,
-                        f"attempt {episode.attempt} has not reached a boundary",
-                    )
-                )
-        return found
+        requests = Blockers(
+            [_blocker("session_busy", worker, session_id, "a request is in progress")
+             for session_id in itertools.islice(self._in_progress, LISTED_BLOCKERS)],
+            len(self._in_progress),
+        )
+        episodes = Blockers(
+            [_blocker("episode_running", worker, e.episode_id,
+                      f"attempt {e.attempt} has not reached a boundary")
+             for e in itertools.islice(self._stepping.values(), LISTED_BLOCKERS)],
+            len(self._stepping),
+        )
+        now = time.monotonic()
+        if (requests.total == episodes.total == 0) or now - self._app_scanned >= APP_SCAN_S:
+            self._app_busy = self._scan_app()
+            self._app_scanned = now
+        return Blockers.merge([requests, episodes, self._app_busy])
+
+    def _scan_app(self) -> Blockers:
+        if self.provider is None:
+            return Blockers([], 0)
+        busy = [session_id for session_id in self.provider.sessions()
+                if session_id not in self._in_progress and self.provider.busy(session_id)]
+        return Blockers(
+            [_blocker("session_busy", self.worker, session_id, "the app is busy")
+             for session_id in busy[:LISTED_BLOCKERS]],
+            len(busy),
+        )
+
+    def park(self, episode: Episode, parked: bool) -> None:
+        """Mark `episode` parked at a boundary (or stepping again)."""
+        episode.parked = parked
+        key = (episode.episode_id, episode.attempt)
+        if parked:
+            self._stepping.pop(key, None)
+            self.changed()
+        elif self.episodes.get(key) is episode:
+            self._stepping[key] = episode
 
     # Episodes (SPEC 5.1, 5.8, 5.9) ---------------------------------------------
 
@@ -294,6 +344,7 @@ class Participant:
         if held is not None:
             episode.resumed = episode.state = await asyncio.to_thread(held.load)
         self.episodes[(episode_id, attempt)] = episode
+        self._stepping[(episode_id, attempt)] = episode
         self.changed()
         finished = False
         try:
@@ -311,6 +362,7 @@ class Participant:
         finally:
             episode.finished.set()
             del self.episodes[(episode_id, attempt)]
+            self._stepping.pop((episode_id, attempt), None)
             if held is not None and finished:
                 await self._done(episode_id)  # continued exactly once
             elif held is not None:
@@ -390,28 +442,24 @@ class Participant:
         is_open: Callable[[str], bool],
         carried: Iterable[Held] = (),
     ) -> Exported:
-        """Write this worker's records to its segment, packing on the loop in batches and
-        writing in a thread. Parked episodes and unclaimed held records in `scope` go in
-        (held ones relabelled to the attempt that would have claimed them)."""
+        """Write this worker's records to its segment: built on the loop (the app's
+        states are read there) in batches, each packed and written in a thread. Parked
+        episodes and unclaimed held records in `scope` go in (held ones relabelled to the
+        attempt that would have claimed them)."""
         writer = SegmentWriter(path)
-        counts = {"session": 0, "episode": 0}
         gc.freeze()  # admission is closed: keep full collections off the app's states
         try:
-            batch: list[dict[str, Any]] = []
-            for record in self._records(scope, owner, is_open, list(carried)):
-                counts[record["kind"]] += 1
-                batch.append(record)
-                if len(batch) >= EXPORT_BATCH:
-                    await asyncio.to_thread(_add_all, writer, batch)
-                    batch = []
-            await asyncio.to_thread(_add_all, writer, batch)
+            records = iter(self._records(scope, owner, is_open, list(carried)))
+            while batch := list(itertools.islice(records, EXPORT_BATCH)):
+                await asyncio.to_thread(writer.add_all, batch)
             info = await asyncio.to_thread(writer.close)
         except BaseException:
             await asyncio.to_thread(writer.discard)
             raise
         finally:
             gc.unfreeze()
-        return {**info, "sessions": counts["session"], "episodes": counts["episode"]}
+        sessions = writer.sessions
+        return {**info, "sessions": sessions, "episodes": info["records"] - sessions}
 
     def _records(
         self,
@@ -473,16 +521,11 @@ class Participant:
 
 def _write_one(path: Path, record: dict[str, Any]) -> tuple[Path, IndexEntry]:
     """Write one record as a segment of its own; return where it is."""
-    writer = SegmentWriter(path)
-    writer.add(record)
-    writer.close()
+    with SegmentWriter(path) as writer:
+        writer.add(record)
+        writer.close()
     [entry] = read_index(path)
     return path, entry
-
-
-def _add_all(writer: SegmentWriter, records: list[dict[str, Any]]) -> None:
-    for record in records:
-        writer.add(record)
 
 
 def _blocker(kind: str, worker: str | None, ident: str, detail: str) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -54,6 +56,8 @@ MAX_RECORD_BYTES = 256 * 1024 * 1024
 TRAILER_SIZE = 8
 # Records are gathered into writes of about this size; bigger records go out alone.
 WRITE_BUFFER = 1024 * 1024
+# Buffers packed but not yet hashed and written, at most (bounds a writer's memory).
+SINK_DEPTH = 4
 
 RecordKind = Literal["session", "episode"]
 _SESSION_KEYS = frozenset({"kind", "id", "open", "owner", "state"})
@@ -145,13 +149,68 @@ def _describe(record: Any) -> str:
 # -- writing --------------------------------------------------------------------------
 
 
+class _Sink:
+    """Hashes and writes a segment's buffers, in order, in a thread of its own.
+
+    sha256 and `os.write` release the GIL, so they overlap the packing of the next
+    records (a third of a commit's time in one thread). The first failed write is kept
+    and raised by `put` or `finish`; later buffers are dropped.
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.path = path
+        self.written = 0
+        self._fd = fd
+        self._hash = hashlib.new(DIGEST_ALGORITHM)
+        self._queue: queue.Queue[bytes | bytearray | None] = queue.Queue(SINK_DEPTH)
+        self._error: OSError | None = None
+        # A daemon: a writer its caller never closed must not keep the process alive.
+        self._thread = threading.Thread(target=self._run, name="tether-segment-sink", daemon=True)
+        self._thread.start()
+
+    def put(self, data: bytes | bytearray) -> None:
+        """Queue `data` (which must not change afterwards); blocks while the queue is full."""
+        self._raise_error()
+        self._queue.put(data)
+
+    def finish(self) -> str:
+        """Wait until everything queued is written; the digest of all of it."""
+        self.stop()
+        self._raise_error()
+        return self._hash.hexdigest()
+
+    def stop(self) -> None:
+        """Let the thread write what is queued and end; safe to call more than once."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise TetherError("commit_failed", f"cannot write {self.path}: {self._error}")
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            self._hash.update(data)
+            try:
+                with memoryview(data) as whole:
+                    view = whole
+                    while view:
+                        view = view[os.write(self._fd, view) :]
+            except OSError as exc:
+                self._error = exc
+            self.written += len(data)
+
+
 class SegmentWriter:
     """Streams one worker's records into a new segment file (created 0600, never reused).
 
-    `add` packs and buffers each record; `close` writes the index and the trailer,
-    fsyncs, and returns the segment's `SegmentInfo`. Used as a context manager, an
-    exception before `close` discards the file. Not thread-safe: one writer, one thread
-    at a time.
+    `add` packs and buffers each record; full buffers are hashed and written by a
+    `_Sink` thread; `close` writes the index and the trailer, fsyncs, and returns the
+    segment's `SegmentInfo`. Used as a context manager, an exception before `close`
+    discards the file. Not thread-safe: one writer, one thread at a time calls it.
     """
 
     def __init__(
@@ -165,13 +224,13 @@ class SegmentWriter:
             )
         except OSError as exc:
             raise TetherError("commit_failed", f"cannot create {self.path}: {exc}") from exc
+        self._sink = _Sink(self._fd, self.path)
         self._packer = msgpack.Packer(use_bin_type=True)
-        self._hash = hashlib.new(DIGEST_ALGORITHM)
         self._buffer = bytearray()
         self._index: list[list[Any]] = []
         self._owners: set[str] = set()
+        self._session_ids: set[str] = set()
         self._offset = 0
-        self._written = 0
 
     def __enter__(self) -> SegmentWriter:
         return self
@@ -190,65 +249,89 @@ class SegmentWriter:
         """Records added so far."""
         return len(self._index)
 
+    @property
+    def sessions(self) -> int:
+        """Session records added so far (the rest are episodes)."""
+        return len(self._session_ids)
+
     def add(self, record: dict[str, Any]) -> None:
         """Pack `record` and append it; `commit_failed` naming it if it cannot be written.
 
-        A record that fails (bad shape, a state msgpack cannot pack, over
-        `max_record_bytes`) leaves the segment as it was.
+        A record that fails (bad shape, a session ID added before, a state msgpack
+        cannot pack, over `max_record_bytes`) leaves the segment as it was.
         """
-        fd = self._open_fd()
-        problem = _record_problem(record, self._owners)
-        if problem is not None:
-            raise TetherError("commit_failed", f"{_describe(record)}: {problem}")
-        try:
-            packed = self._packer.pack(record)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise TetherError(
-                "commit_failed", f"{_describe(record)} cannot be packed: {exc}"
-            ) from exc
-        length = len(packed)
-        if length > self.max_record_bytes:
-            raise TetherError(
-                "commit_failed",
-                f"{_describe(record)} is {length} bytes packed, over the "
-                f"{self.max_record_bytes}-byte limit",
-            )
-        if record["kind"] == "session":
-            entry = ["session", record["id"], record["owner"], None, self._offset, length]
-        else:
-            entry = ["episode", record["episode_id"], None, record["attempt"], self._offset, length]
-        if length >= WRITE_BUFFER:
-            self._flush(fd)
-            self._write(fd, packed)
-        else:
-            self._buffer += packed
-            if len(self._buffer) >= WRITE_BUFFER:
-                self._flush(fd)
-        self._index.append(entry)
-        self._offset += length
+        self.add_all((record,))
+
+    def add_all(self, records: Iterable[dict[str, Any]]) -> None:
+        """`add` each of `records` in turn (the loop a commit runs per record, kept tight:
+        names bound once, no call per record but the shape check and the pack)."""
+        self._open_fd()
+        pack, owners, session_ids = self._packer.pack, self._owners, self._session_ids
+        index, limit = self._index, self.max_record_bytes
+        for record in records:
+            problem = _record_problem(record, owners)
+            if problem is not None:
+                raise TetherError("commit_failed", f"{_describe(record)}: {problem}")
+            is_session = record["kind"] == "session"
+            if is_session and record["id"] in session_ids:
+                raise TetherError("commit_failed", f"{_describe(record)} is exported twice")
+            try:
+                packed = pack(record)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise TetherError(
+                    "commit_failed", f"{_describe(record)} cannot be packed: {exc}"
+                ) from exc
+            length = len(packed)
+            if length > limit:
+                raise TetherError(
+                    "commit_failed",
+                    f"{_describe(record)} is {length} bytes packed, over the "
+                    f"{limit}-byte limit",
+                )
+            offset = self._offset
+            if is_session:
+                session_ids.add(record["id"])
+                index.append(["session", record["id"], record["owner"], None, offset, length])
+            else:
+                index.append(
+                    ["episode", record["episode_id"], None, record["attempt"], offset, length]
+                )
+            self._offset = offset + length
+            if length >= WRITE_BUFFER:
+                self._flush()
+                self._put(packed)
+            else:
+                buffer = self._buffer
+                buffer += packed
+                if len(buffer) >= WRITE_BUFFER:
+                    self._flush()
 
     def close(self) -> SegmentInfo:
         """Write the index and trailer, fsync and close; return the segment's info."""
         fd = self._open_fd()
         self._buffer += self._packer.pack(self._index)
         self._buffer += self._offset.to_bytes(TRAILER_SIZE, "big")
-        self._flush(fd)
+        self._flush()
         try:
+            digest = self._sink.finish()
             os.fsync(fd)
-        except OSError as exc:
+        except (TetherError, OSError) as exc:
             self.discard()
+            if isinstance(exc, TetherError):
+                raise
             raise TetherError("commit_failed", f"cannot write {self.path}: {exc}") from exc
         os.close(fd)
         self._fd = None
         return {
             "file": self.path.name,
-            "bytes": self._written,
+            "bytes": self._sink.written,
             "records": len(self._index),
-            "digest": self._hash.hexdigest(),
+            "digest": digest,
         }
 
     def discard(self) -> None:
-        """Close the file if open and remove it; safe to call more than once."""
+        """Stop writing, close the file if open and remove it; safe to call more than once."""
+        self._sink.stop()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -259,23 +342,18 @@ class SegmentWriter:
             raise TetherError("commit_failed", f"{self.path} is already closed")
         return self._fd
 
-    def _flush(self, fd: int) -> None:
+    def _flush(self) -> None:
         if self._buffer:
-            self._write(fd, self._buffer)
+            self._put(self._buffer)
             self._buffer = bytearray()
 
-    def _write(self, fd: int, data: bytes | bytearray) -> None:
-        """Hash and write `data`; a failed write discards the file (it cannot be resumed)."""
-        self._hash.update(data)
-        view = memoryview(data)
+    def _put(self, data: bytes | bytearray) -> None:
+        """Hand `data` to the sink; a failed write discards the file (it cannot resume)."""
         try:
-            while view:
-                view = view[os.write(fd, view) :]
-        except OSError as exc:
-            view.release()
+            self._sink.put(data)
+        except TetherError:
             self.discard()
-            raise TetherError("commit_failed", f"cannot write {self.path}: {exc}") from exc
-        self._written += len(data)
+            raise
 
 
 # -- reading --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import structlog
 
-from checkpoint.participant import Held, check_claim
+from checkpoint.participant import Blockers, Held, check_claim
 from checkpoint.segments import IndexEntry, read_index
 from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
 from coordinator.channel import ChannelLost
@@ -96,19 +96,21 @@ class ChannelFleet:
         self.lost.clear()
         await self._all("open_admission")
 
-    async def blockers(self) -> list[dict[str, Any]]:
+    async def blockers(self) -> Blockers:
         found: list[dict[str, Any]] = []
         missing = self.expected_workers - len(self.coordinator.links)
         for _ in range(max(missing, 0)):
             found.append(_blocker("worker_missing", None, None, "fewer workers than configured"))
         for worker in sorted(self.lost):
             found.append(_blocker("worker_lost", worker, None, "exited during the checkpoint"))
+        parts = [Blockers(found, len(found))]
         for worker, answer in await self._gather("blockers"):
-            if isinstance(answer, list):
-                found.extend(answer)
+            if isinstance(answer, dict):
+                parts.append(Blockers(answer["listed"], answer["total"]))
             else:
-                found.append(_blocker("worker_unreported", worker, None, repr(answer)))
-        return found
+                failed = _blocker("worker_unreported", worker, None, repr(answer))
+                parts.append(Blockers([failed], 1))
+        return Blockers.merge(parts)
 
     async def fresh(self) -> bool:
         if self.restored or self.held:
@@ -138,16 +140,13 @@ class ChannelFleet:
             calls.append(self._call(worker, "export", body, WORK_TIMEOUT_S))
         answers = await asyncio.gather(*calls, return_exceptions=True)
         segments: list[ManifestSegment] = []
-        counts: RecordCounts = {"sessions": 0, "episodes": 0}
         for worker, answer in zip(links, answers, strict=True):
             if isinstance(answer, BaseException):
                 raise TetherError("commit_failed", f"worker {worker}: {answer!r}")
-            counts["sessions"] += answer["sessions"]
-            counts["episodes"] += answer["episodes"]
             segments.append({"file": answer["file"], "bytes": answer["bytes"],
                              "records": answer["records"], "digest": answer["digest"],
                              "worker": worker})
-        duplicates = await asyncio.to_thread(_duplicates, Path(pending.temp_dir), segments)
+        counts, duplicates = await asyncio.to_thread(_tally, Path(pending.temp_dir), segments)
         if duplicates:
             raise TetherError("not_ready", {
                 "blockers": [_blocker("session_duplicate", None, sid, "exported twice")
@@ -315,16 +314,26 @@ def _owner(owner: str | None) -> WorkerId | None:
     return WorkerId(owner) if owner is not None else None
 
 
-def _duplicates(directory: Path, segments: list[ManifestSegment]) -> list[str]:
+def _tally(directory: Path, segments: list[ManifestSegment]) -> tuple[RecordCounts, list[str]]:
+    """The records the workers' segments hold by kind, read from their indexes (so the
+    manifest's counts are the coordinator's own), and every session ID held twice."""
+    counts: RecordCounts = {"sessions": 0, "episodes": 0}
     seen: set[str] = set()
     twice: list[str] = []
     for segment in segments:
-        for entry in read_index(directory / segment["file"]):
+        entries = read_index(directory / segment["file"])
+        if len(entries) != segment["records"]:
+            raise TetherError("commit_failed", f"worker {segment['worker']} reported "
+                              f"{segment['records']} records, its segment holds {len(entries)}")
+        for entry in entries:
             if entry.kind == "session":
+                counts["sessions"] += 1
                 if entry.id in seen:
                     twice.append(entry.id)
                 seen.add(entry.id)
-    return twice
+            else:
+                counts["episodes"] += 1
+    return counts, twice
 
 
 def _blocker(kind: str, worker: str | None, ident: str | None, detail: str) -> dict[str, Any]:

@@ -226,7 +226,7 @@ class TetherWorker:
         elif kind == "open_admission":
             participant.open_admission()
         elif kind == "blockers":
-            return participant.blockers()
+            return participant.blockers()._asdict()
         elif kind == "fresh":
             return participant.is_fresh()
         elif kind == "export":

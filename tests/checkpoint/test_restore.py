@@ -9,9 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
-from checkpoint.segments import SegmentWriter, read_index
+from checkpoint.segments import SegmentWriter, file_digest, read_index
 from checkpoint.store import (
     CHECKPOINT_NAME,
     MANIFEST_NAME,
@@ -69,13 +70,15 @@ def forge(
     target: str,
     *,
     records: list[dict[str, Any]] | None = None,
+    raw_records: list[dict[str, Any]] | None = None,
     segment: Callable[[Path], None] | None = None,
     manifest: Callable[[dict[str, Any]], None] | None = None,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Copy the "good" checkpoint to `target`, consistent in every way (its manifest
     names `target`, CHECKPOINT.json lists the manifest's digest) except what the edits
-    change: new `records` (written as a valid segment the manifest describes), a byte-level
+    change: new `records` (written as a valid segment the manifest describes), or
+    `raw_records` written byte by byte past the writer's checks, a byte-level
     `segment` edit, a `manifest` edit, a `checkpoint` (CHECKPOINT.json) edit."""
     directory = root / target / "counter"
     shutil.copytree(root / "good" / "counter", directory)
@@ -91,6 +94,11 @@ def forge(
             info = writer.close()
         doc["segments"][0].update(info)
         doc["records"] = {"sessions": len(records), "episodes": 0}
+    if raw_records is not None:
+        write_raw_segment(segment_path, raw_records)
+        digest, size = file_digest(segment_path)
+        doc["segments"][0].update(bytes=size, records=len(raw_records), digest=digest)
+        doc["records"] = {"sessions": len(raw_records), "episodes": 0}
     if segment is not None:
         segment(segment_path)
     if manifest is not None:
@@ -102,6 +110,17 @@ def forge(
     if checkpoint is not None:
         checkpoint(written)
         (root / target / CHECKPOINT_NAME).write_text(json.dumps(written))
+
+
+def write_raw_segment(path: Path, records: list[dict[str, Any]]) -> None:
+    """Session records, their index and the trailer, as docs/format.md lays them out,
+    with none of `SegmentWriter`'s checks (which refuse a session twice)."""
+    packed = [msgpack.packb(record) for record in records]
+    index, offset = [], 0
+    for record, data in zip(records, packed, strict=True):
+        index.append(["session", record["id"], record["owner"], None, offset, len(data)])
+        offset += len(data)
+    path.write_bytes(b"".join(packed) + msgpack.packb(index) + offset.to_bytes(8, "big"))
 
 
 def flip_a_state_byte(path: Path) -> None:
@@ -152,7 +171,7 @@ CORRUPTIONS: dict[str, dict[str, Any]] = {
     "manifest-kind-counts-lie": {"manifest": lie_about_kind_counts},
     "manifest-bytes-lie": {"manifest": lie_about_bytes},
     "duplicate-session": {
-        "records": [session("a", 1), session("dup", 2), session("dup", 3)]
+        "raw_records": [session("a", 1), session("dup", 2), session("dup", 3)]
     },
     "manifest-format-2": {"manifest": unknown_manifest_format},
     "checkpoint-json-format-2": {"checkpoint": unknown_checkpoint_format},

@@ -175,6 +175,7 @@ def test_the_segment_file_is_created_0600_and_never_overwritten(tmp_path: Path) 
         (session("\n"), "session '\\n'"),
         (episode("e9", -1), "episode 'e9' attempt -1"),
         ({"kind": "other"}, "record"),
+        (session("s1", 2), "session 's1' is exported twice"),
     ],
 )
 def test_a_record_that_cannot_be_written_is_commit_failed_naming_it(
@@ -202,6 +203,22 @@ def test_a_record_over_the_size_limit_is_refused_naming_it(tmp_path: Path) -> No
     assert caught.value.code == "commit_failed"
     assert "too-big" in str(caught.value.detail) and "1000-byte limit" in str(caught.value.detail)
     assert [e.id for e in read_index(path)] == ["fits"]
+
+
+def test_a_write_that_fails_in_the_writer_thread_is_commit_failed_and_removes_the_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "segment.msgpack"
+    writer = SegmentWriter(path)
+    writer.add(session("s1", "x" * 100))
+    read_only = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(read_only, writer._fd)  # type: ignore[arg-type]  # its descriptor goes read-only:
+    os.close(read_only)  # the writer thread's next write fails (EBADF)
+    with pytest.raises(TetherError) as caught:
+        writer.close()
+    assert caught.value.code == "commit_failed"
+    assert "cannot write" in str(caught.value.detail)
+    assert not path.exists()
 
 
 def test_an_exception_inside_the_writer_block_removes_the_file(tmp_path: Path) -> None:
@@ -344,8 +361,13 @@ _records = st.one_of(
 )
 
 
+def _session_ids(record: dict[str, Any]) -> object:
+    """Sessions are unique by ID within a segment; episodes need not be."""
+    return record["id"] if record["kind"] == "session" else id(record)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(records=st.lists(_records, max_size=20))
+@given(records=st.lists(_records, max_size=20, unique_by=_session_ids))
 def test_any_records_read_back_equal_and_index_entries_match(
     tmp_path_factory: pytest.TempPathFactory, records: list[dict[str, Any]]
 ) -> None:
