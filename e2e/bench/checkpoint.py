@@ -1,10 +1,15 @@
 """The checkpoint benchmark (SPEC 11): commit and restore throughput against a same-run
-baseline, and what a prepare costs, at one worker.
+baseline, and what a prepare costs, at one worker; with `--workers N`, SPEC 11's scale
+benchmark at N workers, restored onto each count of `--restore-onto`
+(`e2e/bench/checkpoint_workers.py`).
 
 Run from the repository root (about a minute on two cores; `--profile` adds 40 s)::
 
     .venv/bin/python -m e2e.bench.checkpoint [--reps 3] [--sessions 100000]
         [--episodes 10000] [--state-bytes 2048] [--step-ms 500] [--profile] [--no-doc]
+        [--workers 1] [--restore-onto N,...]
+
+What follows is the one-worker run (the default, `--workers 1`).
 
 Each repetition:
 
@@ -41,8 +46,9 @@ repetitions; each ratio is taken within its repetition, then the median of those
 `--profile` adds one unmeasured repetition with py-spy (if installed) sampling the worker
 during the prepare, the commit and the restore, and reports where their time went.
 
-It prints a table, writes `e2e/bench/results/checkpoint.json` and rewrites the generated
-part of the "Checkpoints" section of `docs/benchmarks.md` (not with `--no-doc`). The
+It prints a table, writes `e2e/bench/results/checkpoint.json` (`checkpoint-wN.json` at N
+workers) and rewrites the generated part of the "Checkpoints" section (at N workers, of
+"Checkpoints at several workers") of `docs/benchmarks.md` (not with `--no-doc`). The
 checkpoint root and every log are in a temporary directory removed at the end; every
 process it starts is stopped (and checked gone) before it returns. It exits 1 if a check
 fails (a restore that differs, a process left over).
@@ -66,7 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -80,6 +86,7 @@ from e2e.bench.state_app import episode_record, session_record
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "e2e" / "bench" / "results" / "checkpoint.json"
+"""At one worker; at N, `checkpoint-wN.json` beside it."""
 DOC = REPO / "docs" / "benchmarks.md"
 COMMAND = ".venv/bin/python -m e2e.bench.checkpoint"
 APP = "e2e.bench.state_app:app"
@@ -148,6 +155,10 @@ class Server:
     started_s: float
     """Seconds from spawning it to its "tether serving" line."""
     worker_pid: int = 0
+    """The first worker's process (the only one at one worker)."""
+    worker_pids: list[int] = field(default_factory=list)
+    worker_ids: list[str] = field(default_factory=list)
+    """Every worker's process and ID, in the order of the status' rows (by ID)."""
     controls: list[Control] = field(default_factory=list)
 
     def control(self) -> Control:
@@ -217,12 +228,15 @@ def tether_command() -> list[str]:
     return [sys.executable, "-c", "from coordinator.cli import main; main()"]
 
 
-def start_server(work: Path, label: str, root: Path, restore: str | None = None) -> Server:
-    """Start `tether serve` on the bench app; wait for its "serving" line."""
+def start_server(
+    work: Path, label: str, root: Path, restore: str | None = None, workers: int = 1
+) -> Server:
+    """Start `tether serve` on the bench app; wait for its "serving" line (printed once
+    every worker registered)."""
     token = secrets.token_urlsafe(24)
     out_path, log_path = work / f"{label}.out", work / f"{label}.log"
     args = [*tether_command(), "serve", APP, "--checkpoint-root", str(root), "--name", NAME]
-    args += ["--workers", "1", "--port", "0", "--log-format", "json"]
+    args += ["--workers", str(workers), "--port", "0", "--log-format", "json"]
     if restore is not None:
         args += ["--restore", restore]
     started = time.perf_counter()
@@ -251,7 +265,12 @@ def start_server(work: Path, label: str, root: Path, restore: str | None = None)
     server = Server(process, int(match.group(1)), token, log_path, time.perf_counter() - started)
     try:
         status, _ = server.control().call("status")
-        server.worker_pid = int(status["workers"][0]["pid"])
+        rows = status["workers"]
+        if len(rows) != workers or any(row.get("pid") is None for row in rows):
+            raise RuntimeError(f"server {label} serves with workers {rows}")
+        server.worker_pids = [int(row["pid"]) for row in rows]
+        server.worker_ids = [str(row["id"]) for row in rows]
+        server.worker_pid = server.worker_pids[0]
     except BaseException:
         server.stop()
         raise
@@ -376,6 +395,14 @@ def baseline_restore_fresh(path: Path) -> dict[str, Any]:
     return result
 
 
+def _counts(text: str) -> list[int]:
+    """`4,2,6` → [4, 2, 6]."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of worker counts: {text!r}") from None
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -410,19 +437,24 @@ class Measured:
 
 
 @contextlib.contextmanager
-def measure(pid: int) -> Iterator[Measured]:
-    """Time the block; `pid` is the process that does the work (this one, or a worker)."""
+def measure(pid: int | Sequence[int]) -> Iterator[Measured]:
+    """Time the block; `pid` is the process that does the work (this one, or a worker),
+    or several (the workers of a server): their CPU times are summed."""
+    pids = [pid] if isinstance(pid, int) else list(pid)
     measured = Measured()
     me = os.getpid()
-    ticks, cpu, own = cpu_ticks(), cpu_seconds(pid), cpu_seconds(me)
-    system = cpu_seconds(pid, system_only=True)
+
+    def cpu(system_only: bool = False) -> float:
+        return sum(cpu_seconds(p, system_only) for p in pids)
+
+    ticks, used, own, system = cpu_ticks(), cpu(), cpu_seconds(me), cpu(system_only=True)
     started = time.perf_counter()
     yield measured
     measured.seconds = time.perf_counter() - started
     busy = (cpu_ticks()[0] - ticks[0]) / os.sysconf("SC_CLK_TCK")
-    measured.cpu_s = cpu_seconds(pid) - cpu
-    measured.system_s = cpu_seconds(pid, system_only=True) - system
-    ours = measured.cpu_s + (cpu_seconds(me) - own if pid != me else 0.0)
+    measured.cpu_s = cpu() - used
+    measured.system_s = cpu(system_only=True) - system
+    ours = measured.cpu_s + (cpu_seconds(me) - own if me not in pids else 0.0)
     measured.other_cpus = max(busy - ours, 0.0) / measured.seconds
 
 
@@ -790,9 +822,15 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
 PACKAGES = ("msgpack", "uvicorn", "starlette", "httptools", "uvloop", "structlog")
 
 
-def command_line(reps: int, scale: Scale, profile: bool) -> str:
+def command_line(
+    reps: int, scale: Scale, profile: bool, workers: int = 1, onto: Sequence[int] = ()
+) -> str:
     defaults = Scale(100_000, 10_000, 2048, 500.0)
     parts = [COMMAND]
+    if workers != 1:
+        parts.append(f"--workers {workers}")
+    if onto and list(onto) != [workers]:
+        parts.append(f"--restore-onto {','.join(str(m) for m in onto)}")
     if reps != 3:
         parts.append(f"--reps {reps}")
     for name, flag in (
@@ -962,7 +1000,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="add an unmeasured repetition sampled by py-spy"
     )
-    parser.add_argument("--output", type=Path, default=RESULTS, help="the JSON result")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="workers of the checkpointed server (1)"
+    )
+    parser.add_argument(
+        "--restore-onto",
+        type=_counts,
+        help="worker counts to restore onto, e.g. 4,2,6 (the same count as --workers)",
+    )
+    parser.add_argument(
+        "--output", type=Path, help="the JSON result (results/checkpoint.json, -wN at N)"
+    )
     parser.add_argument("--doc", type=Path, default=DOC, help="the doc to update")
     parser.add_argument("--no-doc", action="store_true", help="leave the doc alone")
     parser.add_argument("--baseline-restore", type=Path, help=argparse.SUPPRESS)
@@ -974,7 +1022,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--reps, --sessions and --episodes must be positive, --state-bytes at least 200"
         )
+    onto = args.restore_onto or [args.workers]
+    if args.workers < 1 or min(onto) < 1:
+        parser.error("--workers and --restore-onto take positive counts")
+    if args.workers == 1 and onto != [1]:
+        parser.error("--restore-onto needs --workers N > 1 (at one worker it restores onto 1)")
+    if args.workers > 1 and args.profile:
+        parser.error("--profile samples the one worker: use it without --workers")
     scale = Scale(args.sessions, args.episodes, args.state_bytes, args.step_ms)
+    if args.workers > 1:
+        from e2e.bench import checkpoint_workers  # it builds on this module
+
+        return checkpoint_workers.main(args, scale, onto)
+    if args.output is None:
+        args.output = RESULTS
     result = run(args.reps, scale, args.profile)
     summarize(result)
     print(table(result))

@@ -4,20 +4,32 @@ Serve it with ``tether serve e2e.bench.state_app:app --workers 1 --checkpoint-ro
 --name bench``; `e2e/bench/checkpoint.py` drives it. It holds its session states in a
 dict registered with its participant, like any app, and adds bench-only routes:
 
-    POST /bench/sessions {"n", "size"}   create sessions s-0000000 ... s-<n-1>, each state
-                                         `make_state(i, size)` (about `size` bytes packed),
-                                         straight into the session dict (no request each)
-    POST /bench/episodes {"n", "size", "step_ms"}
-                                         start n background episodes e-00000 ... (attempt 1)
-                                         through `participant.episode()`; each calls
-                                         `boundary(state)` every `step_ms`, at phases
+    POST /bench/sessions {"n", "size", "start"?}
+                                         create sessions s-<start> ... s-<start+n-1> (start
+                                         0 by default), each state `make_state(i, size)`
+                                         (about `size` bytes packed), straight into the
+                                         session dict (no request each)
+    POST /bench/episodes {"n", "size", "step_ms", "start"?}
+                                         start n background episodes e-<start> ...
+                                         (attempt 1) through `participant.episode()`; each
+                                         calls `boundary(state)` every `step_ms`, at phases
                                          spread over one step, so it parks at its next
                                          boundary once a checkpoint opens
-    GET  /bench/digest                   sha256 over every session's ID and packed state
+    GET  /bench/digest                   this worker's sessions: `digest`, sha256 over
+                                         every session's ID and packed state in ID order;
+                                         `sum`, the sum mod 2**256 of each session's own
+                                         sha256 (order-independent, so the sums of several
+                                         workers add up to the sum of their union)
     POST /bench/parks                    when each episode parked since the last call
                                          (CLOCK_MONOTONIC, comparable across processes),
                                          then forgets them
+    GET  /bench/tables                   the size of this worker's routing tables (the
+                                         placed-session and owner-alias tables a restore
+                                         loads): entries, and bytes by `sys.getsizeof`
     GET  /health                         {"ok": true}
+
+With `tether serve --workers N` a request reaches a chosen worker with the
+`x-tether-worker` header; `start` keeps IDs unique when several workers are filled.
 
 The episodes are tasks inside the app rather than 10,000 concurrent HTTP `/run` requests:
 they go through the same `episode()`/`boundary()` calls a `/run` handler makes, while
@@ -30,9 +42,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import hashlib
 import random
 import string
+import sys
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -47,6 +61,7 @@ from checkpoint.inprocess import in_process
 from checkpoint.participant import Participant, declare_participant
 
 STATE_VERSION = "bench/1"
+DIGEST_MODULUS = 1 << 256
 TOKENS = 32
 _POOL = "".join(random.Random(20261129).choices(string.ascii_letters + string.digits, k=1 << 16))
 
@@ -98,6 +113,45 @@ def episode_record(index: int, size: int, step: int = 1) -> dict[str, Any]:
     state = make_state(index, size)
     state["step"] = step
     return {"kind": "episode", "episode_id": episode_id(index), "attempt": 1, "state": state}
+
+
+def summed_digest(sums: Iterable[str]) -> str:
+    """The `sum` of several workers' `/bench/digest`: that of their sessions' union."""
+    return f"{sum(int(value, 16) for value in sums) % DIGEST_MODULUS:064x}"
+
+
+def routing_tables_size() -> dict[str, Any]:
+    """The placed-session and owner-alias tables of this process's router, measured.
+
+    The worker's router keeps them on `TetherWorker.routing.tables`, which the app cannot
+    reach, so this finds the worker among the collector's objects (bench-only). `bytes`
+    is `sys.getsizeof` of both dicts, of every key and of each distinct value once (the
+    worker shares one string per worker ID): what the tables keep, allocator rounding
+    and the file's transient load aside. None outside `tether serve --workers N`.
+    """
+    kind = getattr(sys.modules.get("coordinator.worker"), "TetherWorker", None)
+    found = [o for o in gc.get_objects() if type(o) is kind] if kind is not None else []
+    if len(found) != 1:
+        names = ("placed_sessions", "owner_aliases", "bytes", "placed_bytes")
+        return dict.fromkeys((*names, "placed_dict_bytes", "placed_key_bytes"))
+    tables = found[0].routing.tables
+    placed, aliases = tables.placed, tables.aliases
+    placed_bytes = _dict_bytes(placed)
+    return {
+        "placed_sessions": len(placed),
+        "owner_aliases": len(aliases),
+        "bytes": sum(placed_bytes) + sum(_dict_bytes(aliases)),
+        "placed_bytes": sum(placed_bytes),
+        "placed_dict_bytes": placed_bytes[0],
+        "placed_key_bytes": placed_bytes[1],
+    }
+
+
+def _dict_bytes(table: Any) -> tuple[int, int, int]:
+    """The dict itself, its keys, its distinct values."""
+    values = {id(v): sys.getsizeof(v) for v in table.values()}
+    keys = sum(sys.getsizeof(k) for k in table)
+    return sys.getsizeof(table), keys, sum(values.values())
 
 
 class States:
@@ -159,9 +213,10 @@ def create_app() -> Starlette:
     async def start_episodes(request: Request) -> JSONResponse:
         body = await request.json()
         n, size, step_s = int(body["n"]), int(body["size"]), float(body["step_ms"]) / 1000
+        start = int(body.get("start", 0))
         entered: asyncio.Queue[int] = asyncio.Queue()
-        for index in range(n):
-            phase_s = step_s * index / n
+        for index in range(start, start + n):
+            phase_s = step_s * (index - start) / n
             task = asyncio.create_task(run_episode(index, size, step_s, phase_s, entered))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -172,9 +227,18 @@ def create_app() -> Starlette:
     async def digest(request: Request) -> JSONResponse:
         hasher = hashlib.sha256()
         packer = msgpack.Packer(use_bin_type=True)
+        total = 0
         for key in sorted(states.states):
-            hasher.update(packer.pack([key, states.states[key]]))
-        return JSONResponse({"sessions": len(states.states), "digest": hasher.hexdigest()})
+            packed = packer.pack([key, states.states[key]])
+            hasher.update(packed)
+            total += int.from_bytes(hashlib.sha256(packed).digest(), "big")
+        return JSONResponse(
+            {
+                "sessions": len(states.states),
+                "digest": hasher.hexdigest(),
+                "sum": f"{total % DIGEST_MODULUS:064x}",
+            }
+        )
 
     async def take_parks(request: Request) -> JSONResponse:
         taken = sorted(parks)
@@ -186,6 +250,9 @@ def create_app() -> Starlette:
                 "last": taken[-1] if taken else None,
             }
         )
+
+    async def tables(request: Request) -> JSONResponse:
+        return JSONResponse(routing_tables_size())
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"ok": True})
@@ -203,6 +270,7 @@ def create_app() -> Starlette:
             Route("/bench/episodes", start_episodes, methods=["POST"]),
             Route("/bench/digest", digest, methods=["GET"]),
             Route("/bench/parks", take_parks, methods=["POST"]),
+            Route("/bench/tables", tables, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
         lifespan=lifespan,
