@@ -19,7 +19,7 @@ import structlog
 from checkpoint import phases as ph
 from checkpoint.fleet import Fleet
 from checkpoint.participant import Blockers
-from checkpoint.store import begin_commit, load_checkpoint
+from checkpoint.store import begin_commit, load_checkpoint, sweep_temp
 from routing.errors import TetherError
 
 log = structlog.get_logger("tether.checkpoint")
@@ -240,6 +240,10 @@ class Checkpointer:
 
     async def _write(self, cid: str, scope: frozenset[str] | None) -> dict[str, Any]:
         root, name = self._where()
+        # No other commit of this participant runs now: what a crashed one left can go.
+        swept = await asyncio.to_thread(sweep_temp, root, None, name)
+        if swept:
+            log.info("crashed_commits_swept", temp_dirs=swept)
         pending = await asyncio.to_thread(begin_commit, root, cid, name)
         try:
             workers, segments, counts = await self.fleet.export(pending, scope)

@@ -479,15 +479,25 @@ def begin_commit(root: StrPath, checkpoint_id: str, participant: str) -> Pending
     return PendingCommit(root, checkpoint_id, participant, temp_dir)
 
 
-def sweep_temp(root: StrPath, checkpoint_id: str, participant: str) -> int:
-    """Remove a participant's temp dirs left by a crashed commit; returns how many.
+def sweep_temp(root: StrPath, checkpoint_id: str | None, participant: str) -> int:
+    """Remove a participant's temp dirs left by crashed commits of `checkpoint_id` (of
+    every checkpoint under `root` if None); returns how many.
 
     Call it only when no commit of this participant is running (its temp dir would go).
     """
-    directory = Path(root) / validate_checkpoint_id(checkpoint_id)
+    root = Path(root)
     prefix = f".{validate_participant(participant)}.tmp-"
+    if checkpoint_id is not None:
+        directories = [root / validate_checkpoint_id(checkpoint_id)]
+    else:
+        try:
+            directories = [path for path in root.iterdir() if not path.name.startswith(".")]
+        except FileNotFoundError:
+            return 0
     removed = 0
-    if directory.is_dir():
+    for directory in directories:
+        if not directory.is_dir():
+            continue
         for path in directory.iterdir():
             if path.name.startswith(prefix) and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

@@ -197,7 +197,7 @@ async def test_counter_survives_a_sigkill_of_the_group_through_restore_latest(
 # (b) Crash windows of a commit ----------------------------------------------------------------
 
 
-async def test_a_commit_killed_after_its_segments_leaves_nothing_restorable(
+async def test_a_commit_killed_after_its_segments_leaves_nothing_restorable_until_swept(
     serve: Serve, tmp_path: Path
 ) -> None:
     root = tmp_path / "ckpt"
@@ -218,6 +218,10 @@ async def test_a_commit_killed_after_its_segments_leaves_nothing_restorable(
     async with Http(after.url) as http:
         reply = await control(after, http, "restore", checkpoint_id="c1")
         assert (reply.status, reply.code) == (404, "no_checkpoint"), reply
+        # The next commit of this participant removes what the dead one left.
+        await checkpoint(root, after, http, "c2")
+    assert temp_dirs(root, "c1") == []
+    assert resolve_latest(root, NAME) == "c2"
     await crash(after)
 
 

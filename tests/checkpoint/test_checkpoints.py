@@ -14,7 +14,7 @@ import pytest
 
 from checkpoint.fleet import LocalFleet
 from checkpoint.segments import read_records
-from checkpoint.store import PendingCommit
+from checkpoint.store import ManifestSegment, PendingCommit, RecordCounts
 from routing.errors import TetherError
 from routing.types import SessionId
 from tests.checkpoint.conftest import (
@@ -251,7 +251,7 @@ class GatedFleet(LocalFleet):
 
     async def export(
         self, pending: PendingCommit, scope: frozenset[str] | None
-    ) -> tuple[list[str], list[Any]]:
+    ) -> tuple[list[str], list[ManifestSegment], RecordCounts]:
         self.entered.set()
         try:
             await self.gate.wait()

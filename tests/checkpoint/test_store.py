@@ -293,6 +293,17 @@ def test_sweep_temp_removes_crashed_commits_of_that_participant_only(tmp_path: P
     assert sweep_temp(tmp_path, "missing", "srv") == 0
 
 
+def test_sweep_temp_without_an_id_removes_crashed_commits_of_every_checkpoint(
+    tmp_path: Path,
+) -> None:
+    crashed = [begin_commit(tmp_path, checkpoint_id, "srv") for checkpoint_id in ("c1", "c2")]
+    other = begin_commit(tmp_path, "c2", "other")
+    assert sweep_temp(tmp_path, None, "srv") == 2
+    assert not any(p.temp_dir.exists() for p in crashed)
+    assert other.temp_dir.exists()
+    assert sweep_temp(tmp_path / "no-root-yet", None, "srv") == 0
+
+
 # -- CHECKPOINT.json ------------------------------------------------------------------
 
 
