@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import secrets
 import time
@@ -22,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 import structlog
 
+from checkpoint import gcpause
 from checkpoint.segments import IndexEntry, SegmentInfo, SegmentWriter, read_index, read_records
 from routing.errors import TetherError
 from routing.types import SessionId
@@ -447,17 +447,15 @@ class Participant:
         episodes and unclaimed held records in `scope` go in (held ones relabelled to the
         attempt that would have claimed them)."""
         writer = SegmentWriter(path)
-        gc.freeze()  # admission is closed: keep full collections off the app's states
         try:
-            records = iter(self._records(scope, owner, is_open, list(carried)))
-            while batch := list(itertools.islice(records, EXPORT_BATCH)):
-                await asyncio.to_thread(writer.add_all, batch)
-            info = await asyncio.to_thread(writer.close)
+            with gcpause.paused():  # admission is closed: no collections over the states
+                records = iter(self._records(scope, owner, is_open, list(carried)))
+                while batch := list(itertools.islice(records, EXPORT_BATCH)):
+                    await asyncio.to_thread(writer.add_all, batch)
+                info = await asyncio.to_thread(writer.close)
         except BaseException:
             await asyncio.to_thread(writer.discard)
             raise
-        finally:
-            gc.unfreeze()
         sessions = writer.sessions
         return {**info, "sessions": sessions, "episodes": info["records"] - sessions}
 
@@ -495,13 +493,10 @@ class Participant:
     async def install(self, path: Path, entries: list[IndexEntry]) -> int:
         """Install this worker's sessions from one segment; returns how many."""
         assert self.provider is not None, "no session state registered"
-        gc.freeze()  # a fresh server: nothing to collect, many states arriving
-        try:
+        with gcpause.paused():  # a fresh server: nothing to collect, many states arriving
             records = await asyncio.to_thread(lambda: list(read_records(path, entries)))
             for record in records:
                 await self.provider.install(record["id"], record["state"])
-        finally:
-            gc.unfreeze()
         self.restored = True
         return len(records)
 

@@ -34,6 +34,7 @@ from typing import Any, Literal, NamedTuple, NoReturn, TypedDict
 
 import msgpack
 
+from checkpoint import gcpause
 from routing.errors import TetherError
 from routing.types import worker_id_or_none
 
@@ -373,7 +374,11 @@ def read_index(path: str | os.PathLike[str]) -> list[IndexEntry]:
     Checks that the trailer fits, the index offset lies in the file, the index is a
     msgpack list of well-formed entries, and the entries tile the records region exactly.
     """
-    path = Path(path)
+    with gcpause.paused():  # a big index is a burst of surviving containers
+        return _read_index(Path(path))
+
+
+def _read_index(path: Path) -> list[IndexEntry]:
     try:
         with open(path, "rb", buffering=0) as file:
             size = os.fstat(file.fileno()).st_size

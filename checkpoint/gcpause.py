@@ -1,0 +1,43 @@
+"""Garbage collection paused while a checkpoint builds or reads many objects at once.
+
+Unpacking a 110,000-entry index, or installing 100,000 states, allocates millions of
+containers that all survive; each allocation burst triggers collections that traverse
+them (and the app's heap) again and again: 0.12 s to read such an index with collection
+paused, 0.36-0.56 s without. Nothing built here is garbage, so nothing is lost by
+waiting until the end.
+
+Pauses nest and may come from several threads (reads run in `asyncio.to_thread`):
+collection resumes when the last one ends, and only if it was enabled when the first
+began.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Iterator
+
+__all__ = ["paused"]
+
+_lock = threading.Lock()
+_depth = 0
+_resume = False
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Pause automatic collection for the block (a no-op if the app disabled it)."""
+    global _depth, _resume
+    with _lock:
+        if _depth == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _resume:
+                gc.enable()

@@ -1,0 +1,59 @@
+"""Pausing collection around a checkpoint's bursts of allocation: nesting, threads, and
+an app that turned collection off itself."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from checkpoint import gcpause
+
+
+@pytest.fixture(autouse=True)
+def collection_restored() -> Iterator[None]:
+    enabled = gc.isenabled()
+    yield
+    if enabled:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+def test_collection_resumes_only_when_the_last_of_nested_pauses_ends() -> None:
+    gc.enable()
+    with gcpause.paused():
+        assert not gc.isenabled()
+        with gcpause.paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_pauses_overlapping_in_threads_leave_collection_enabled() -> None:
+    gc.enable()
+    first_in, second_out = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with gcpause.paused():
+            first_in.set()
+            second_out.wait(5)  # the second pause begins and ends inside this one
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert first_in.wait(5)
+    with gcpause.paused():
+        pass
+    assert not gc.isenabled()  # the first pause still runs
+    second_out.set()
+    thread.join(5)
+    assert gc.isenabled()
+
+
+def test_a_pause_leaves_collection_off_when_the_app_had_turned_it_off() -> None:
+    gc.disable()
+    with gcpause.paused():
+        pass
+    assert not gc.isenabled()
