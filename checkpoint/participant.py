@@ -341,13 +341,15 @@ class Participant:
             held = self._claim_held(episode_id, attempt)
         episode = Episode(self, episode_id, attempt, disconnected=disconnected,
                           task=asyncio.current_task())
-        if held is not None:
-            episode.resumed = episode.state = await asyncio.to_thread(held.load)
+        # Registered before anything awaits: a close that follows the claim's answer
+        # must find it stepping, or the prepare would miss a record nobody else holds.
         self.episodes[(episode_id, attempt)] = episode
         self._stepping[(episode_id, attempt)] = episode
         self.changed()
         finished = False
         try:
+            if held is not None:  # a failed read hands the claim back, in `finally`
+                episode.resumed = episode.state = await asyncio.to_thread(held.load)
             yield episode
             finished = True
         except asyncio.CancelledError:

@@ -167,6 +167,21 @@ async def test_a_claimed_request_that_disconnects_before_its_first_boundary_hand
     assert finished(await run(b, "ep", 2), "ep", 2, steps["ep"])
 
 
+async def test_a_claimed_record_that_cannot_be_read_is_handed_back_for_a_retry(
+    nodes: Nodes,
+) -> None:
+    _, b, steps = await restored(nodes, ["ep"])
+    [segment] = (b.root / "c1" / "episodes").glob("segment-*.msgpack")
+    away = segment.with_name("away")
+    segment.rename(away)  # the disk loses the segment under the restored server
+    reply = await run(b, "ep", 2)
+    assert reply.status_code == 422 and reply.json()["code"] == "corrupt_checkpoint", reply.text
+    assert (await b.status())["held_episodes"] == [{"episode_id": "ep", "attempt_to_send": 2}]
+
+    away.rename(segment)
+    assert finished(await run(b, "ep", 2), "ep", 2, steps["ep"])
+
+
 async def _held(node: Node) -> bool:
     return bool((await node.status())["held_episodes"])
 
