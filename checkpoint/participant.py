@@ -30,6 +30,8 @@ log = structlog.get_logger("tether.participant")
 
 EXPORT_BATCH = 512
 """Records packed on the event loop between two hand-offs to the writer thread."""
+BEHIND_CHUNKS = 32
+"""Full chunks (about 1 MiB each) an export packs ahead of its writes, at most."""
 LISTED_BLOCKERS = 100
 """Blockers listed at most (SPEC 5.2); the rest are only counted."""
 APP_SCAN_S = 0.05
@@ -444,48 +446,54 @@ class Participant:
         is_open: Callable[[str], bool],
         carried: Iterable[Held] = (),
     ) -> Exported:
-        """Write this worker's records to its segment: built on the loop (the app's
-        states are read there) in batches, each packed and written in a thread. Parked
+        """Write this worker's records to its segment. Each state is packed on the loop
+        as the app hands it over (a snapshot no other thread reads while the app runs);
+        full chunks are hashed and written in a thread while the next are packed. Parked
         episodes and unclaimed held records in `scope` go in (held ones relabelled to the
         attempt that would have claimed them)."""
         writer = SegmentWriter(path)
+        behind = _WriteBehind(writer)
         try:
             with gcpause.paused():  # admission is closed: no collections over the states
-                records = iter(self._records(scope, owner, is_open, list(carried)))
-                while batch := list(itertools.islice(records, EXPORT_BATCH)):
-                    await asyncio.to_thread(writer.add_all, batch)
+                provider = self.provider
+                sessions = list(provider.sessions()) if provider is not None else []
+                for count, session_id in enumerate(sessions, 1):
+                    assert provider is not None
+                    state = provider.export(session_id)
+                    writer.add_session(session_id, is_open(session_id), owner, state)
+                    if count % EXPORT_BATCH == 0:
+                        await behind.pace()
+                records = await self._episode_records(scope, list(carried))
+                for count, record in enumerate(records, 1):
+                    writer.add(record)
+                    if count % EXPORT_BATCH == 0:
+                        await behind.pace()
+                await behind.drain()
                 info = await asyncio.to_thread(writer.close)
         except BaseException:
-            await asyncio.to_thread(writer.discard)
+            behind.abandon()
+            await asyncio.to_thread(writer.discard)  # waits for a write in flight
             raise
-        sessions = writer.sessions
-        return {**info, "sessions": sessions, "episodes": info["records"] - sessions}
+        written = writer.sessions
+        return {**info, "sessions": written, "episodes": info["records"] - written}
 
-    def _records(
-        self,
-        scope: frozenset[str] | None,
-        owner: str | None,
-        is_open: Callable[[str], bool],
-        carried: list[Held],
-    ) -> Iterable[dict[str, Any]]:
-        if self.provider is not None:
-            for session_id in list(self.provider.sessions()):
-                yield {
-                    "kind": "session",
-                    "id": session_id,
-                    "open": is_open(session_id),
-                    "owner": owner,
-                    "state": self.provider.export(session_id),
-                }
-        for episode in self.episodes.values():
-            if episode.parked and (scope is None or episode.episode_id in scope):
-                yield {"kind": "episode", "episode_id": episode.episode_id,
-                       "attempt": episode.attempt, "state": episode.state}
+    async def _episode_records(
+        self, scope: frozenset[str] | None, carried: list[Held]
+    ) -> list[dict[str, Any]]:
+        records = [
+            {"kind": "episode", "episode_id": e.episode_id, "attempt": e.attempt, "state": e.state}
+            for e in self.episodes.values()
+            if e.parked and (scope is None or e.episode_id in scope)
+        ]
         local = [h for h in self.held.values() if h.claimed_by is None]
-        for held in [*local, *carried]:
-            if scope is None or held.episode_id in scope:
-                yield {"kind": "episode", "episode_id": held.episode_id,
-                       "attempt": held.attempt + 1, "state": held.load()}
+        held = [h for h in [*local, *carried] if scope is None or h.episode_id in scope]
+        states = await asyncio.to_thread(lambda: [h.load() for h in held])  # file reads
+        records += [
+            {"kind": "episode", "episode_id": h.episode_id, "attempt": h.attempt + 1,
+             "state": state}
+            for h, state in zip(held, states, strict=True)
+        ]
+        return records
 
     def set_retired(self, marks: dict[str, int]) -> None:
         """Inherit the retire marks of the server (a worker that joins late)."""
@@ -514,6 +522,40 @@ class Participant:
                 await self.provider.release(session_id)
         self.held.clear()
         self.restored = False
+
+
+class _WriteBehind:
+    """Writes a segment's full chunks in a thread while the loop packs the next ones: at
+    most one write in flight, in the order packed."""
+
+    def __init__(self, writer: SegmentWriter) -> None:
+        self.writer = writer
+        self.writing: asyncio.Future[None] | None = None
+
+    async def pace(self) -> None:
+        """Let the loop run; hand over what is full once the previous write ended (a
+        slow write gets a bigger batch next, rather than the packing waiting for it),
+        waiting only when `BEHIND_CHUNKS` chunks are already queued."""
+        writing = self.writing
+        if writing is None or writing.done() or self.writer.full_chunks >= BEHIND_CHUNKS:
+            await self.drain()
+            chunks = self.writer.take()
+            if chunks:
+                self.writing = asyncio.ensure_future(asyncio.to_thread(self.writer.write, chunks))
+        await asyncio.sleep(0)
+
+    async def drain(self) -> None:
+        """Wait for the write in flight (raises its error)."""
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            await writing
+
+    def abandon(self) -> None:
+        """Stop waiting for the write in flight (its thread finishes on its own; the
+        writer's `discard` waits for it) and drop its outcome."""
+        writing, self.writing = self.writing, None
+        if writing is not None and not writing.cancel():
+            writing.exception()
 
 
 def _write_one(path: Path, record: dict[str, Any]) -> tuple[Path, IndexEntry]:
