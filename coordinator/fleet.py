@@ -138,10 +138,15 @@ class ChannelFleet:
                 "carried": carried if index == 0 else [],
             }
             calls.append(self._call(worker, "export", body, WORK_TIMEOUT_S))
-        answers = await asyncio.gather(*calls, return_exceptions=True)
+        try:
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+        except asyncio.CancelledError:  # the commit's deadline
+            await self._abort_exports()
+            raise
         segments: list[ManifestSegment] = []
         for worker, answer in zip(links, answers, strict=True):
             if isinstance(answer, BaseException):
+                await self._abort_exports()  # a worker that timed out may still write
                 raise TetherError("commit_failed", f"worker {worker}: {answer!r}")
             segments.append({"file": answer["file"], "bytes": answer["bytes"],
                              "records": answer["records"], "digest": answer["digest"],
@@ -154,6 +159,13 @@ class ChannelFleet:
                 "blockers_total": len(duplicates),
             })
         return list(links), segments, counts
+
+    async def _abort_exports(self) -> None:
+        """Stop every worker's export of an abandoned commit, and wait until each has
+        stopped: the commit's temp dir goes next, and a lease may fire after it."""
+        for worker, answer in await self._gather("abort_export"):
+            if isinstance(answer, BaseException) and not isinstance(answer, ChannelLost):
+                log.warning("export_abort_failed", worker_id=worker, error=repr(answer))
 
     def owner_aliases(self) -> dict[str, str]:
         return {str(old): str(new) for old, new in self.aliases.items()}

@@ -97,6 +97,8 @@ class TetherWorker:
         self.server: uvicorn.Server | None = None
         self.channel: Channel | None = None
         self._watch: asyncio.Task[None] | None = None
+        self._exports: set[asyncio.Task[Any]] = set()
+        """Exports running for the coordinator; `abort_export` cancels them."""
         self._stopping = False
 
     @property
@@ -232,10 +234,22 @@ class TetherWorker:
         elif kind == "export":
             scope = None if body["scope"] is None else frozenset(body["scope"])
             carried = [_held(record) for record in body["carried"]]
-            info = await participant.export(
+            export = asyncio.ensure_future(participant.export(
                 Path(body["path"]), scope, self.id, self.routing.is_open, carried
-            )
-            return dict(info)
+            ))
+            self._exports.add(export)
+            try:
+                return dict(await export)
+            finally:
+                self._exports.discard(export)
+        elif kind == "abort_export":
+            # The coordinator gave up on this commit: stop writing into its temp dir
+            # before it removes it. Answers once every export here is gone.
+            running = list(self._exports)
+            for export in running:
+                export.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            return len(running)
         elif kind == "install":
             return await self._install(body)
         elif kind == "release_installed":
@@ -287,7 +301,8 @@ class TetherWorker:
 
 
 _PARTICIPANT_CALLS = frozenset({
-    "close_admission", "open_admission", "blockers", "fresh", "export", "install",
+    "close_admission", "open_admission", "blockers", "fresh", "export", "abort_export",
+    "install",
     "release_installed", "retire", "forget",
 })
 
