@@ -29,9 +29,7 @@ from routing.types import SessionId
 log = structlog.get_logger("tether.participant")
 
 EXPORT_BATCH = 512
-"""Records packed on the event loop between two hand-offs to the writer thread."""
-BEHIND_CHUNKS = 32
-"""Full chunks (about 1 MiB each) an export packs ahead of its writes, at most."""
+"""Records an export packs on the event loop before it writes what is full in a thread."""
 LISTED_BLOCKERS = 100
 """Blockers listed at most (SPEC 5.2); the rest are only counted."""
 APP_SCAN_S = 0.05
@@ -448,11 +446,22 @@ class Participant:
     ) -> Exported:
         """Write this worker's records to its segment. Each state is packed on the loop
         as the app hands it over (a snapshot no other thread reads while the app runs);
-        full chunks are hashed and written in a thread while the next are packed. Parked
-        episodes and unclaimed held records in `scope` go in (held ones relabelled to the
-        attempt that would have claimed them)."""
+        every `EXPORT_BATCH` records, what is full is hashed and written in a thread.
+        Parked episodes and unclaimed held records in `scope` go in (held ones relabelled
+        to the attempt that would have claimed them).
+
+        The writes wait rather than overlap the packing: a thread that must win the GIL
+        back from the busy loop after each hash and write call waits a switch interval
+        (5 ms) each time, and measured slower overlapped than not."""
         writer = SegmentWriter(path)
-        behind = _WriteBehind(writer)
+
+        async def write_full() -> None:
+            chunks = writer.take()
+            if chunks:
+                await asyncio.to_thread(writer.write, chunks)
+            else:
+                await asyncio.sleep(0)
+
         try:
             with gcpause.paused():  # admission is closed: no collections over the states
                 provider = self.provider
@@ -462,17 +471,15 @@ class Participant:
                     state = provider.export(session_id)
                     writer.add_session(session_id, is_open(session_id), owner, state)
                     if count % EXPORT_BATCH == 0:
-                        await behind.pace()
+                        await write_full()
                 records = await self._episode_records(scope, list(carried))
                 for count, record in enumerate(records, 1):
                     writer.add(record)
                     if count % EXPORT_BATCH == 0:
-                        await behind.pace()
-                await behind.drain()
+                        await write_full()
                 info = await asyncio.to_thread(writer.close)
         except BaseException:
-            behind.abandon()
-            await asyncio.to_thread(writer.discard)  # waits for a write in flight
+            await asyncio.to_thread(writer.discard)  # waits for a cancelled write's thread
             raise
         written = writer.sessions
         return {**info, "sessions": written, "episodes": info["records"] - written}
@@ -522,40 +529,6 @@ class Participant:
                 await self.provider.release(session_id)
         self.held.clear()
         self.restored = False
-
-
-class _WriteBehind:
-    """Writes a segment's full chunks in a thread while the loop packs the next ones: at
-    most one write in flight, in the order packed."""
-
-    def __init__(self, writer: SegmentWriter) -> None:
-        self.writer = writer
-        self.writing: asyncio.Future[None] | None = None
-
-    async def pace(self) -> None:
-        """Let the loop run; hand over what is full once the previous write ended (a
-        slow write gets a bigger batch next, rather than the packing waiting for it),
-        waiting only when `BEHIND_CHUNKS` chunks are already queued."""
-        writing = self.writing
-        if writing is None or writing.done() or self.writer.full_chunks >= BEHIND_CHUNKS:
-            await self.drain()
-            chunks = self.writer.take()
-            if chunks:
-                self.writing = asyncio.ensure_future(asyncio.to_thread(self.writer.write, chunks))
-        await asyncio.sleep(0)
-
-    async def drain(self) -> None:
-        """Wait for the write in flight (raises its error)."""
-        writing, self.writing = self.writing, None
-        if writing is not None:
-            await writing
-
-    def abandon(self) -> None:
-        """Stop waiting for the write in flight (its thread finishes on its own; the
-        writer's `discard` waits for it) and drop its outcome."""
-        writing, self.writing = self.writing, None
-        if writing is not None and not writing.cancel():
-            writing.exception()
 
 
 def _write_one(path: Path, record: dict[str, Any]) -> tuple[Path, IndexEntry]:

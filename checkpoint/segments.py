@@ -15,8 +15,8 @@ region exactly: the first starts at 0, each starts where the one before ends, an
 last ends at ``index_offset``. The whole-file digest (`DIGEST_ALGORITHM`) is computed
 while the file is written, so a commit never reads its segment back.
 
-Everything here is blocking file I/O meant to run in a thread (``asyncio.to_thread``).
-A malformed file raises ``TetherError("corrupt_checkpoint")`` naming the file and the
+Reading, `SegmentWriter.write` and `close` are blocking file I/O meant to run in a thread
+(``asyncio.to_thread``); packing records does no I/O. A malformed file raises ``TetherError("corrupt_checkpoint")`` naming the file and the
 check that failed; a record that cannot be written raises ``TetherError("commit_failed")``.
 The format is described in ``docs/format.md``.
 """
@@ -56,11 +56,6 @@ MAX_RECORD_BYTES = 256 * 1024 * 1024
 TRAILER_SIZE = 8
 # Records are gathered into chunks of about this size; bigger records go out alone.
 WRITE_BUFFER = 1024 * 1024
-# A session record's bytes around its ID, owner and state: what packing the map
-# {"kind": "session", "id": ..., "open": ..., "owner": ..., "state": ...} writes.
-_SESSION_HEAD = b"\x85\xa4kind\xa7session\xa2id"
-_OPEN = {True: b"\xa4open\xc3\xa5owner", False: b"\xa4open\xc2\xa5owner"}
-_STATE_KEY = b"\xa5state"
 
 RecordKind = Literal["session", "episode"]
 _SESSION_KEYS = frozenset({"kind", "id", "open", "owner", "state"})
@@ -221,29 +216,27 @@ class SegmentWriter:
         if record["kind"] == "session":
             self.add_session(record["id"], record["open"], record["owner"], record["state"])
             return
-        packed = self._packed(record, record)
-        episode_id, attempt = record["episode_id"], record["attempt"]
-        self._append(packed, ("episode", episode_id, None, attempt, self._offset, len(packed)))
+        packed = self._packed(record)
+        entry = ("episode", record["episode_id"], None, record["attempt"], self._offset)
+        self._append(packed, (*entry, len(packed)))
 
     def add_session(self, session_id: str, is_open: bool, owner: str | None, state: Any) -> None:
-        """`add` of a session record, packed without building its map: the same bytes, a
-        third less time (a commit runs this once per session)."""
-        self._open_fd()
-        if not _is_session_id(session_id):
-            raise TetherError("commit_failed", f"session {session_id!r}: the ID is not 1 to "
-                              "256 printable ASCII characters")
-        if session_id in self._session_ids:
-            raise TetherError("commit_failed", f"session {session_id!r} is exported twice")
-        if type(is_open) is not bool:
-            raise TetherError("commit_failed", f"session {session_id!r}: `open` is not a bool")
-        if owner is not None and owner not in self._owners:
-            if worker_id_or_none(owner) is None:
-                raise TetherError("commit_failed", f"session {session_id!r}: owner {owner!r} "
-                                  "is not a worker ID")
-            self._owners.add(owner)
-        pack = self._pack
-        head = _SESSION_HEAD + pack(session_id) + _OPEN[is_open] + pack(owner) + _STATE_KEY
-        packed = self._packed(state, {"kind": "session", "id": session_id}, head)
+        """`add` of the session record of these fields, with the checks a commit makes
+        once per session kept to one expression (its slow path says what is wrong)."""
+        if (
+            type(session_id) is not str
+            or not 0 < len(session_id) <= 256
+            or not session_id.isascii()
+            or not session_id.isprintable()
+            or session_id in self._session_ids
+            or type(is_open) is not bool
+            or (owner is not None and owner not in self._owners)
+            or self._fd is None
+        ):
+            self._check_session(session_id, is_open, owner)
+        record = {"kind": "session", "id": session_id, "open": is_open, "owner": owner,
+                  "state": state}
+        packed = self._packed(record)
         self._session_ids.add(session_id)
         self._append(packed, ("session", session_id, owner, None, self._offset, len(packed)))
 
@@ -253,11 +246,6 @@ class SegmentWriter:
             self.add(record)
             if self._full:
                 self.write(self.take())
-
-    @property
-    def full_chunks(self) -> int:
-        """Full chunks packed and not yet taken."""
-        return len(self._full)
 
     def take(self) -> list[bytes | bytearray]:
         """The full chunks packed since the last `take`, for `write`."""
@@ -278,7 +266,6 @@ class SegmentWriter:
                 while view:
                     view = view[os.write(fd, view) :]
             except OSError as exc:
-                view.release()
                 self.discard()
                 raise TetherError("commit_failed", f"cannot write {self.path}: {exc}") from exc
             self._written += len(chunk)
@@ -290,9 +277,8 @@ class SegmentWriter:
 
     def _close(self) -> SegmentInfo:
         fd = self._open_fd()
-        self._buffer += self._pack(self._index)
-        self._buffer += self._offset.to_bytes(TRAILER_SIZE, "big")
-        self._write([*self.take(), self._buffer])
+        tail = self._pack(self._index) + self._offset.to_bytes(TRAILER_SIZE, "big")
+        self._write([*self.take(), self._buffer, tail])
         self._buffer = bytearray()
         try:
             os.fsync(fd)
@@ -322,10 +308,26 @@ class SegmentWriter:
             raise TetherError("commit_failed", f"{self.path} is already closed")
         return self._fd
 
-    def _packed(self, value: Any, record: dict[str, Any], head: bytes = b"") -> bytes:
-        """`head` and `value` packed, checked against the size limit; errors name `record`."""
+    def _check_session(self, session_id: Any, is_open: Any, owner: Any) -> None:
+        """Raise `commit_failed` saying what is wrong with a session record's fields, or
+        note its owner as checked if that was all."""
+        self._open_fd()
+        if not _is_session_id(session_id):
+            raise TetherError("commit_failed", f"session {session_id!r}: the ID is not 1 to "
+                              "256 printable ASCII characters")
+        if session_id in self._session_ids:
+            raise TetherError("commit_failed", f"session {session_id!r} is exported twice")
+        if type(is_open) is not bool:
+            raise TetherError("commit_failed", f"session {session_id!r}: `open` is not a bool")
+        if owner is not None and worker_id_or_none(owner) is None:
+            raise TetherError("commit_failed", f"session {session_id!r}: owner {owner!r} is "
+                              "not a worker ID")
+        self._owners.add(owner)
+
+    def _packed(self, record: dict[str, Any]) -> bytes:
+        """`record` packed and checked against the size limit; errors name it."""
         try:
-            packed = head + self._pack(value)
+            packed = self._pack(record)
         except (TypeError, ValueError, OverflowError) as exc:
             raise TetherError(
                 "commit_failed", f"{_describe(record)} cannot be packed: {exc}"
@@ -342,13 +344,17 @@ class SegmentWriter:
         self._index.append(entry)
         self._offset += len(packed)
         if len(packed) >= WRITE_BUFFER:
-            if self._buffer:
-                self._full.append(self._buffer)
-                self._buffer = bytearray()
+            self._seal()
             self._full.append(packed)
             return
-        self._buffer += packed
-        if len(self._buffer) >= WRITE_BUFFER:
+        buffer = self._buffer
+        buffer += packed
+        if len(buffer) >= WRITE_BUFFER:
+            self._seal()
+
+    def _seal(self) -> None:
+        """Hand the buffer to `take`; start a new one."""
+        if self._buffer:
             self._full.append(self._buffer)
             self._buffer = bytearray()
 
