@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -199,8 +199,10 @@ class ChannelFleet:
         if dry_run:
             return answer
         tables = await asyncio.to_thread(self._write_tables, placement.sessions, placement.aliases)
-        body = {"tables": tables, "segments": [str(s.path) for s in checkpoint.segments]}
-        results = await self._gather("install", body, WORK_TIMEOUT_S)
+        reads = await asyncio.to_thread(_reads, checkpoint, placement.sessions)
+        bodies = {w: {"tables": tables, "segments": reads.get(w, [])}
+                  for w in self.coordinator.links}
+        results = await self._gather_each("install", bodies, WORK_TIMEOUT_S)
         failed = [(w, a) for w, a in results if isinstance(a, BaseException)]
         if failed:
             await self._gather("release_installed")
@@ -303,9 +305,17 @@ class ChannelFleet:
     async def _gather(
         self, kind: str, body: Any = None, within_s: float = CALL_TIMEOUT_S
     ) -> list[tuple[WorkerId, Any]]:
-        workers = sorted(self.coordinator.links)
+        """Call every registered worker with the same body; (worker, answer or error)."""
+        return await self._gather_each(kind, dict.fromkeys(self.coordinator.links, body),
+                                       within_s)
+
+    async def _gather_each(
+        self, kind: str, bodies: dict[WorkerId, Any], within_s: float = CALL_TIMEOUT_S
+    ) -> list[tuple[WorkerId, Any]]:
+        """Call each worker in `bodies` with its own body; (worker, answer or error)."""
+        workers = sorted(bodies)
         answers = await asyncio.gather(
-            *(self._call(w, kind, body, within_s) for w in workers), return_exceptions=True
+            *(self._call(w, kind, bodies[w], within_s) for w in workers), return_exceptions=True
         )
         return list(zip(workers, answers, strict=True))
 
@@ -313,6 +323,19 @@ class ChannelFleet:
         for worker, answer in await self._gather(kind):
             if isinstance(answer, BaseException) and not isinstance(answer, ChannelLost):
                 log.warning("worker_call_failed", call=kind, worker_id=worker, error=repr(answer))
+
+
+def _reads(
+    checkpoint: Checkpoint, placed: Mapping[SessionId, WorkerId]
+) -> dict[WorkerId, list[str]]:
+    """The segments each worker must read to install what it was placed: with owner
+    groups kept whole, one segment per old worker, and none for a worker placed nothing."""
+    reads: dict[WorkerId, list[str]] = {}
+    for segment in checkpoint.segments:
+        workers = {placed[SessionId(e.id)] for e in segment.entries if e.kind == "session"}
+        for worker in sorted(workers):
+            reads.setdefault(worker, []).append(str(segment.path))
+    return reads
 
 
 def _held_body(held: Held) -> dict[str, Any]:
