@@ -16,8 +16,9 @@ last ends at ``index_offset``. The whole-file digest (`DIGEST_ALGORITHM`) is com
 while the file is written, so a commit never reads its segment back.
 
 Reading, `SegmentWriter.write` and `close` are blocking file I/O meant to run in a thread
-(``asyncio.to_thread``); packing records does no I/O. A malformed file raises ``TetherError("corrupt_checkpoint")`` naming the file and the
-check that failed; a record that cannot be written raises ``TetherError("commit_failed")``.
+(``asyncio.to_thread``); packing records does no I/O. A malformed file raises
+``TetherError("corrupt_checkpoint")`` naming the file and the check that failed; a record
+that cannot be written raises ``TetherError("commit_failed")``.
 The format is described in ``docs/format.md``.
 """
 
