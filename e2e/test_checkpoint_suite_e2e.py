@@ -26,6 +26,7 @@ import pytest
 
 from checkpoint.segments import file_digest, read_records
 from checkpoint.store import CHECKPOINT_NAME, FAULT_ENV, resolve_latest
+from e2e.apps.blobs import blob_bytes
 from e2e.apps.gated import GATES_ENV
 from e2e.conftest import Serve
 from e2e.harness import (
@@ -56,7 +57,6 @@ from e2e.test_checkpoint_e2e import (
     worker_died,
 )
 from e2e.test_rescale_e2e import status
-from tests.checkpoint.conftest import blob_bytes
 from tests.checkpoint.test_control import GOOD_BODIES, ID_ROUTES, ROUTES
 from tests.checkpoint.test_restore import CORRUPTIONS, forge, write_raw_segment
 

@@ -13,13 +13,11 @@ whose busy flag flips silently, a gate in front of the app); nothing of tether i
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import http.cookiejar
 import inspect
-import random
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +25,6 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.sessions import SessionMiddleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from checkpoint.checkpointer import Checkpointer
@@ -41,14 +33,12 @@ from checkpoint.fleet import LocalFleet
 from checkpoint.participant import (
     Participant,
     SessionState,
-    declare_participant,
     declared_participant,
 )
 from checkpoint.store import read_manifest_digest, resolve_latest, write_checkpoint_json
+from e2e.apps.blobs import blob_app
 from examples import counter, episodes
-from routing.errors import TetherError
-from routing.fence import tether_error_response
-from routing.kinds import cookie_kind, declare, declared_kind
+from routing.kinds import declared_kind
 from routing.worker import RoutingWorker
 
 TOKEN = "checkpoint-test-token"
@@ -391,71 +381,3 @@ def silently_busy(app: Any) -> None:
     provider = SilentlyBusy(app.state.counters)
     participant.register_sessions(provider)
     app.state.busy = provider
-
-
-class Blobs:
-    """Session state of arbitrary bytes; an export of a `poisoned` session fails the way
-    an app bug would."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.poisoned: set[str] = set()
-
-    def sessions(self) -> Iterable[str]:
-        return self.data.keys()
-
-    def holds(self, session_id: str) -> bool:
-        return session_id in self.data
-
-    def export(self, session_id: str) -> bytes:
-        if session_id in self.poisoned:
-            raise RuntimeError(f"the app cannot export {session_id!r}")
-        return self.data[session_id]
-
-    async def install(self, session_id: str, state: Any) -> None:
-        if not isinstance(state, bytes):
-            raise TypeError(f"a blob is bytes, not {type(state).__name__}")
-        self.data[session_id] = state
-
-    async def release(self, session_id: str) -> None:
-        self.data.pop(session_id, None)
-
-    def busy(self, session_id: str) -> bool:
-        return False
-
-
-def blob_bytes(session_id: str, size: int) -> bytes:
-    """The deterministic blob a seed of `size` bytes stores for `session_id`."""
-    return random.Random(session_id).randbytes(size)
-
-
-def blob_app() -> Starlette:
-    """`POST /seed_session {session_id, size}` stores `size` deterministic bytes;
-    `GET /blob` answers their sha256 and length."""
-    blobs = Blobs()
-
-    async def seed(request: Request) -> JSONResponse:
-        body: Mapping[str, Any] = await request.json()
-        session_id = str(body["session_id"])
-        blobs.data[session_id] = blob_bytes(session_id, int(body.get("size", 0)))
-        request.session["session_id"] = session_id
-        return JSONResponse({"session_id": session_id})
-
-    async def blob(request: Request) -> JSONResponse:
-        session_id = request.session.get("session_id", "")
-        if session_id not in blobs.data:
-            raise TetherError("session_lost", session_id)
-        data = blobs.data[session_id]
-        return JSONResponse({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
-
-    app = Starlette(
-        routes=[Route("/seed_session", seed, methods=["POST"]), Route("/blob", blob)],
-        middleware=[Middleware(SessionMiddleware, secret_key="blob-secret")],
-        exception_handlers={TetherError: tether_error_response},
-    )
-    app.state.blobs = blobs
-    declare(app, cookie_kind(app, release=blobs.release))
-    participant = Participant(state_version="blobs/1")
-    participant.register_sessions(blobs)
-    declare_participant(app, participant)
-    return app

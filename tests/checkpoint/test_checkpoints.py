@@ -7,15 +7,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from checkpoint.fleet import LocalFleet
 from checkpoint.segments import read_records
 from checkpoint.store import ManifestSegment, PendingCommit, RecordCounts
+from e2e.apps.blobs import blob_app, blob_bytes
 from routing.errors import TetherError
+from routing.kinds import declare, declared_kind
 from routing.types import SessionId
 from tests.checkpoint.conftest import (
     HOLD_HEADER,
@@ -23,8 +30,6 @@ from tests.checkpoint.conftest import (
     Node,
     Nodes,
     assert_error,
-    blob_app,
-    blob_bytes,
     eventually,
     gather_bounded,
     silently_busy,
@@ -346,3 +351,49 @@ async def test_a_32_mib_record_round_trips_through_commit_and_restore(nodes: Nod
         assert reply.status_code == 200, reply.text
         expected = hashlib.sha256(blob_bytes(session_id, length)).hexdigest()
         assert reply.json() == {"sha256": expected, "bytes": length}
+
+
+# A standing stream of a background route does not hold a checkpoint up -------------------
+
+
+def watched(background: bool) -> Callable[[Any], None]:
+    """`setup` for a counter node: `GET /watch` streams a session's count until the client
+    leaves, declared a background route of the app's kind (or not)."""
+
+    def setup(app: Any) -> None:
+        counters = app.state.counters
+
+        async def watch(request: Request) -> StreamingResponse:
+            session_id = request.session.get("session_id", "")
+
+            async def counts() -> AsyncIterator[bytes]:
+                while True:
+                    yield f"{counters.counts.get(session_id)}\n".encode()
+                    await asyncio.sleep(0.05)
+
+            return StreamingResponse(counts())
+
+        app.router.routes.append(Route("/watch", watch))
+        kind = declared_kind(app)
+        assert kind is not None
+        declare(app, replace(kind, background=("GET /watch",) if background else ()))
+
+    return setup
+
+
+@pytest.mark.parametrize(("background", "state"), [(True, "prepared"), (False, "blocked")])
+async def test_a_standing_stream_blocks_a_prepare_only_if_its_route_is_not_background(
+    nodes: Nodes, background: bool, state: str
+) -> None:
+    """SPEC 5.2: requests of background routes (an MCP client's standing GET) are not in
+    progress; the same stream on an ordinary route is, and blocks until it ends."""
+    a = await nodes.start(setup=watched(background))
+    cookie = await a.seed("watched")
+    async with a.http.stream("GET", "/watch", headers={"cookie": cookie}) as stream:
+        lines = stream.aiter_lines()  # kept: a dropped iterator would close the stream
+        assert await anext(lines) == "0"
+        answer = await a.ok("prepare", checkpoint_id="c1", deadline_s=0.3)
+        assert answer["state"] == state, answer
+        if not background:
+            assert [b["id"] for b in answer["blockers"]] == ["watched"]
+    await a.ok("resume", checkpoint_id="c1")
