@@ -47,6 +47,7 @@ class Checkpointer:
         self._changed = asyncio.Event()
         self._rearm = asyncio.Event()
         self._timer: asyncio.Task[None] | None = None
+        self._sweep: asyncio.Task[int] | None = None
         self._blockers = Blockers([], 0)
         fleet.on_change(self._changed.set)
 
@@ -54,8 +55,19 @@ class Checkpointer:
 
     def start(self) -> None:
         self._timer = asyncio.create_task(self._lease_timer(), name="tether-lease")
+        if self.root is not None and self.name is not None:
+            # What commits that crashed left: before this server's first commit begins,
+            # outside any commit's deadline (a sweep in a thread cannot be called back).
+            self._sweep = asyncio.create_task(
+                asyncio.to_thread(sweep_temp, self.root, None, self.name), name="tether-sweep"
+            )
 
     async def stop(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await self._sweep
+            self._sweep = None
         if self._timer is not None:
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -240,10 +252,15 @@ class Checkpointer:
 
     async def _write(self, cid: str, scope: frozenset[str] | None) -> dict[str, Any]:
         root, name = self._where()
-        # No other commit of this participant runs now: what a crashed one left can go.
-        swept = await asyncio.to_thread(sweep_temp, root, None, name)
-        if swept:
-            log.info("crashed_commits_swept", temp_dirs=swept)
+        if self._sweep is not None:
+            try:
+                swept = await asyncio.shield(self._sweep)
+            except OSError as error:  # leftovers stay; they never block a commit
+                log.warning("crashed_commits_not_swept", error=str(error))
+            else:
+                if swept:
+                    log.info("crashed_commits_swept", temp_dirs=swept)
+            self._sweep = None
         pending = await asyncio.to_thread(begin_commit, root, cid, name)
         try:
             workers, segments, counts = await self.fleet.export(pending, scope)

@@ -6,7 +6,8 @@ them (and the app's heap) again and again: 0.12 s to read such an index with col
 paused, 0.36-0.56 s without. Nothing built here is garbage, so nothing is lost by
 waiting until the end.
 
-What was tracked before the pause is frozen (`gc.freeze`) for its length: a full
+What was tracked before the pause is frozen (`gc.freeze`) for its length, unless the app
+froze objects itself (then its frozen heap is left as it is): a full
 collection the app's own growth had made due (0.3 s over 100,000 states) is then not
 run by the pause's first allocation after it ends, inside a commit, but when the app's
 own allocations next call for it.
@@ -28,17 +29,21 @@ __all__ = ["paused"]
 _lock = threading.Lock()
 _depth = 0
 _resume = False
+_froze = False
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """Pause automatic collection for the block (a no-op if the app disabled it)."""
-    global _depth, _resume
+    global _depth, _resume, _froze
     with _lock:
         if _depth == 0:
             _resume = gc.isenabled()
             gc.disable()
-            gc.freeze()
+            # An app that froze its own heap keeps it frozen: unfreeze would undo that.
+            _froze = gc.get_freeze_count() == 0
+            if _froze:
+                gc.freeze()
         _depth += 1
     try:
         yield
@@ -46,6 +51,7 @@ def paused() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                gc.unfreeze()
+                if _froze:
+                    gc.unfreeze()
                 if _resume:
                     gc.enable()

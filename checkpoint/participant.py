@@ -30,6 +30,10 @@ log = structlog.get_logger("tether.participant")
 
 EXPORT_BATCH = 512
 """Records an export packs on the event loop before it writes what is full in a thread."""
+WRITE_AHEAD = 8 * 1024 * 1024
+"""Packed bytes an export writes out sooner than `EXPORT_BATCH` records (big states)."""
+HELD_BATCH = 64
+"""Held records whose states an export reads from disk at a time."""
 LISTED_BLOCKERS = 100
 """Blockers listed at most (SPEC 5.2); the rest are only counted."""
 APP_SCAN_S = 0.05
@@ -303,7 +307,8 @@ class Participant:
         episode.parked = parked
         key = (episode.episode_id, episode.attempt)
         if parked:
-            self._stepping.pop(key, None)
+            if self._stepping.get(key) is episode:
+                del self._stepping[key]
             self.changed()
         elif self.episodes.get(key) is episode:
             self._stepping[key] = episode
@@ -362,14 +367,18 @@ class Participant:
                 "stale_attempt", f"attempt {attempt} of {episode_id!r} was retired"
             ) from None
         finally:
-            episode.finished.set()
             del self.episodes[(episode_id, attempt)]
             self._stepping.pop((episode_id, attempt), None)
-            if held is not None and finished:
-                await self._done(episode_id)  # continued exactly once
-            elif held is not None:
-                await self._hand_back(episode, held)
-            self.changed()
+            try:
+                # Shielded: a cancel that lands here must not leave the record claimed
+                # by a live worker, in nobody's export (SPEC 5.8).
+                if held is not None and finished:
+                    await asyncio.shield(self._done(episode_id))  # continued exactly once
+                elif held is not None:
+                    await asyncio.shield(self._hand_back(episode, held))
+            finally:
+                episode.finished.set()  # retire answers once the record is settled
+                self.changed()
 
     def _claim_held(self, episode_id: str, attempt: int) -> Held | None:
         held = self.held.get(episode_id)
@@ -394,7 +403,10 @@ class Participant:
             held.state = episode.state
         held.claimed_by = None
         if self.remote is None:
-            self.held[episode.episode_id] = held
+            if self.retired.get(held.episode_id, -1) >= held.attempt + 1:
+                self.held.pop(held.episode_id, None)  # retired meanwhile: nobody may claim it
+            else:
+                self.held[episode.episode_id] = held
             return
         if held.path is None and self.handback_dir is not None:
             name = f"{episode.episode_id.encode().hex()[:64]}-{secrets.token_hex(4)}.msgpack"
@@ -470,13 +482,22 @@ class Participant:
                     assert provider is not None
                     state = provider.export(session_id)
                     writer.add_session(session_id, is_open(session_id), owner, state)
-                    if count % EXPORT_BATCH == 0:
+                    if count % EXPORT_BATCH == 0 or writer.full_bytes >= WRITE_AHEAD:
                         await write_full()
-                records = await self._episode_records(scope, list(carried))
-                for count, record in enumerate(records, 1):
-                    writer.add(record)
-                    if count % EXPORT_BATCH == 0:
+                for count, episode in enumerate(self._parked(scope), 1):
+                    writer.add({"kind": "episode", "episode_id": episode.episode_id,
+                                "attempt": episode.attempt, "state": episode.state})
+                    if count % EXPORT_BATCH == 0 or writer.full_bytes >= WRITE_AHEAD:
                         await write_full()
+                held = [h for h in self.held.values() if h.claimed_by is None]
+                held = [h for h in [*held, *carried] if scope is None or h.episode_id in scope]
+                for start in range(0, len(held), HELD_BATCH):  # their states are on disk
+                    group = held[start : start + HELD_BATCH]
+                    states = await asyncio.to_thread(_load_all, group)
+                    for record, state in zip(group, states, strict=True):
+                        writer.add({"kind": "episode", "episode_id": record.episode_id,
+                                    "attempt": record.attempt + 1, "state": state})
+                    await write_full()
                 info = await asyncio.to_thread(writer.close)
         except BaseException:
             await asyncio.to_thread(writer.discard)  # waits for a cancelled write's thread
@@ -484,23 +505,9 @@ class Participant:
         written = writer.sessions
         return {**info, "sessions": written, "episodes": info["records"] - written}
 
-    async def _episode_records(
-        self, scope: frozenset[str] | None, carried: list[Held]
-    ) -> list[dict[str, Any]]:
-        records = [
-            {"kind": "episode", "episode_id": e.episode_id, "attempt": e.attempt, "state": e.state}
-            for e in self.episodes.values()
-            if e.parked and (scope is None or e.episode_id in scope)
-        ]
-        local = [h for h in self.held.values() if h.claimed_by is None]
-        held = [h for h in [*local, *carried] if scope is None or h.episode_id in scope]
-        states = await asyncio.to_thread(lambda: [h.load() for h in held])  # file reads
-        records += [
-            {"kind": "episode", "episode_id": h.episode_id, "attempt": h.attempt + 1,
-             "state": state}
-            for h, state in zip(held, states, strict=True)
-        ]
-        return records
+    def _parked(self, scope: frozenset[str] | None) -> list[Episode]:
+        return [e for e in self.episodes.values()
+                if e.parked and (scope is None or e.episode_id in scope)]
 
     def set_retired(self, marks: dict[str, int]) -> None:
         """Inherit the retire marks of the server (a worker that joins late)."""
@@ -510,10 +517,9 @@ class Participant:
     async def install(self, path: Path, entries: list[IndexEntry]) -> int:
         """Install this worker's sessions from one segment; returns how many."""
         assert self.provider is not None, "no session state registered"
-        with gcpause.paused():  # a fresh server: nothing to collect, many states arriving
-            records = await asyncio.to_thread(lambda: list(read_records(path, entries)))
-            for record in records:
-                await self.provider.install(record["id"], record["state"])
+        records = await asyncio.to_thread(_read_paused, path, entries)
+        for record in records:  # the app's code: collection is not paused around it
+            await self.provider.install(record["id"], record["state"])
         self.restored = True
         return len(records)
 
@@ -529,6 +535,16 @@ class Participant:
                 await self.provider.release(session_id)
         self.held.clear()
         self.restored = False
+
+
+def _read_paused(path: Path, entries: list[IndexEntry]) -> list[dict[str, Any]]:
+    """The records of `entries`, read with collection paused (a burst of new states)."""
+    with gcpause.paused():
+        return list(read_records(path, entries))
+
+
+def _load_all(held: list[Held]) -> list[Any]:
+    return [record.load() for record in held]
 
 
 def _write_one(path: Path, record: dict[str, Any]) -> tuple[Path, IndexEntry]:

@@ -175,6 +175,8 @@ class SegmentWriter:
         self._hash = hashlib.new(DIGEST_ALGORITHM)
         self._buffer = bytearray()
         self._full: list[bytes | bytearray] = []
+        self.full_bytes = 0
+        """Bytes in the chunks `take` would hand out."""
         self._index: list[tuple[Any, ...]] = []
         self._owners: set[str] = set()
         self._session_ids: set[str] = set()
@@ -251,6 +253,7 @@ class SegmentWriter:
     def take(self) -> list[bytes | bytearray]:
         """The full chunks packed since the last `take`, for `write`."""
         full, self._full = self._full, []
+        self.full_bytes = 0
         return full
 
     def write(self, chunks: list[bytes | bytearray]) -> None:
@@ -347,6 +350,7 @@ class SegmentWriter:
         if len(packed) >= WRITE_BUFFER:
             self._seal()
             self._full.append(packed)
+            self.full_bytes += len(packed)
             return
         buffer = self._buffer
         buffer += packed
@@ -357,6 +361,7 @@ class SegmentWriter:
         """Hand the buffer to `take`; start a new one."""
         if self._buffer:
             self._full.append(self._buffer)
+            self.full_bytes += len(self._buffer)
             self._buffer = bytearray()
 
 

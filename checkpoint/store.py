@@ -499,7 +499,10 @@ def sweep_temp(root: StrPath, checkpoint_id: str | None, participant: str) -> in
         if not directory.is_dir():
             continue
         for path in directory.iterdir():
-            if path.name.startswith(prefix) and path.is_dir():
+            # Exactly this participant's: mkdtemp's suffix has no dot, so the dirs of a
+            # participant named "<participant>.tmp-x" do not match.
+            rest = path.name[len(prefix) :]
+            if path.name.startswith(prefix) and "." not in rest and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
                 removed += 1
     return removed

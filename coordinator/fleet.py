@@ -200,8 +200,10 @@ class ChannelFleet:
             return answer
         tables = await asyncio.to_thread(self._write_tables, placement.sessions, placement.aliases)
         reads = await asyncio.to_thread(_reads, checkpoint, placement.sessions)
+        # Every placed worker is called, registered or not: one that left since the
+        # placement fails the call (ChannelLost) and the restore with it, all or nothing.
         bodies = {w: {"tables": tables, "segments": reads.get(w, [])}
-                  for w in self.coordinator.links}
+                  for w in {*self.coordinator.links, *reads}}
         results = await self._gather_each("install", bodies, WORK_TIMEOUT_S)
         failed = [(w, a) for w, a in results if isinstance(a, BaseException)]
         if failed:
@@ -281,8 +283,12 @@ class ChannelFleet:
             held.done = True  # still claimed: an older or repeated attempt is refused
 
     def hand_back(self, body: dict[str, Any]) -> None:
+        episode_id, attempt = body["episode_id"], body["attempt"]
+        if self.retired.get(episode_id, -1) >= attempt + 1:
+            self.held.pop(episode_id, None)  # retired meanwhile: nobody may claim it (5.9)
+            return
         path, entry = Path(body["path"]), IndexEntry(*body["entry"])
-        self.held[body["episode_id"]] = Held(body["episode_id"], body["attempt"], path, entry)
+        self.held[episode_id] = Held(episode_id, attempt, path, entry)
 
     # Plumbing ---------------------------------------------------------------------
 

@@ -240,6 +240,9 @@ class TetherWorker:
             self._exports.add(export)
             try:
                 return dict(await export)
+            except BaseException:
+                export.cancel()  # this call was cancelled (shutdown): so is its export
+                raise
             finally:
                 self._exports.discard(export)
         elif kind == "abort_export":

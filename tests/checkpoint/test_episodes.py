@@ -221,6 +221,21 @@ async def test_retire_stops_a_running_attempt_and_refuses_it_and_older_ones(
     assert (await run(a, "ep", 2, steps=2)).status_code == 200
 
 
+async def test_retiring_the_attempt_that_continues_a_restored_record_drops_the_record(
+    nodes: Nodes,
+) -> None:
+    """SPEC 5.9: the stopped request hands the record back, but no attempt may claim it
+    any more, so it is not held again (nor exported by the next checkpoint)."""
+    _, b, _ = await restored(nodes, ["ep"])
+    running = asyncio.create_task(run(b, "ep", 2, step_ms=200))
+    await eventually(lambda: ("ep", 2) in b.participant.episodes, what="attempt 2 claimed it")
+    answer = await b.ok("retire", episode_id="ep", attempt=2)
+    assert answer["retired"][0]["stopped"] == 1
+    assert_error(await asyncio.wait_for(running, 5), 409, "stale_attempt")
+    assert (await b.status())["held_episodes"] == []
+    assert_error(await run(b, "ep", 2), 409, "stale_attempt")
+
+
 async def test_retire_answers_once_the_attempt_has_stopped_and_its_state_is_freed(
     nodes: Nodes,
 ) -> None:

@@ -8,6 +8,7 @@ author could register, with hooks to misbehave the way apps do.
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -162,3 +163,19 @@ def test_add_session_writes_the_bytes_of_the_record_map(
     [entry] = read_index(path)
     data = path.read_bytes()[entry.offset : entry.offset + entry.length]
     assert data == msgpack.packb(record, use_bin_type=True)
+
+
+async def test_an_export_of_big_states_writes_them_out_as_it_goes(tmp_path: Path) -> None:
+    """Packed bytes are written once `WRITE_AHEAD` (8 MiB) wait, not only every
+    `EXPORT_BATCH` records: 96 states of 1 MiB never sit packed in memory all at once."""
+    states = States(0)
+    states.states = {f"big{n:03d}": bytes([n]) * (1 << 20) for n in range(96)}
+    participant = participant_with(states)
+    tracemalloc.start()
+    try:
+        await participant.export(tmp_path / "segment.msgpack", None, None, is_open)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB packed at once"  # 96 MiB in all
+    assert [r["state"][0] for r in read_records(tmp_path / "segment.msgpack")] == list(range(96))

@@ -57,3 +57,25 @@ def test_a_pause_leaves_collection_off_when_the_app_had_turned_it_off() -> None:
     with gcpause.paused():
         pass
     assert not gc.isenabled()
+
+
+def test_a_pause_leaves_what_the_app_froze_frozen() -> None:
+    gc.enable()
+    kept = [object() for _ in range(10)]
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        with gcpause.paused():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    del kept
+
+
+def test_a_pause_freezes_only_for_its_length() -> None:
+    gc.enable()
+    assert gc.get_freeze_count() == 0
+    with gcpause.paused():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0

@@ -646,3 +646,13 @@ def test_a_crash_before_the_checkpoint_json_rename_leaves_it_absent(tmp_path: Pa
     assert names[0].startswith(f".{CHECKPOINT_NAME}.tmp-") and names[1:] == ["srv"]
     error_of("no_checkpoint", load_checkpoint, tmp_path, "c1", "srv")
     assert resolve_latest(tmp_path) is None
+
+
+def test_sweep_temp_leaves_the_temp_dirs_of_a_participant_whose_name_extends_this_one(
+    tmp_path: Path,
+) -> None:
+    crashed = begin_commit(tmp_path, "c1", "srv")
+    other = begin_commit(tmp_path, "c1", "srv.tmp-x")
+    assert sweep_temp(tmp_path, None, "srv") == 1
+    assert not crashed.temp_dir.exists()
+    assert other.temp_dir.exists()
