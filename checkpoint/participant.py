@@ -186,6 +186,8 @@ class Participant:
         self.episodes: dict[tuple[str, int], Episode] = {}
         self._stepping: dict[tuple[str, int], Episode] = {}
         """The episodes not parked at a boundary (each one blocks readiness)."""
+        self._settling: set[asyncio.Future[None]] = set()
+        """Hand-backs of abandoned claims in flight (kept so they finish)."""
         self._app_busy = Blockers([], 0)
         self._app_scanned = -APP_SCAN_S
         self.held: dict[str, Held] = {}
@@ -341,7 +343,14 @@ class Participant:
         if (episode_id, attempt) in self.episodes:
             raise TetherError("episode_claimed", {"worker": self.worker})
         if self.remote is not None:
-            held = await self.remote.claim(episode_id, attempt)
+            claiming = asyncio.ensure_future(self.remote.claim(episode_id, attempt))
+            try:
+                held = await asyncio.shield(claiming)
+            except asyncio.CancelledError:
+                # Cancelled while the answer was on its way: a record granted to this
+                # request goes back, or it would stay claimed by a live worker (5.8).
+                claiming.add_done_callback(self._give_back)
+                raise
         else:
             held = self._claim_held(episode_id, attempt)
         episode = Episode(self, episode_id, attempt, disconnected=disconnected,
@@ -379,6 +388,19 @@ class Participant:
             finally:
                 episode.finished.set()  # retire answers once the record is settled
                 self.changed()
+
+    def _give_back(self, claiming: asyncio.Future[Held | None]) -> None:
+        """Hand back a record claimed for a request that was cancelled meanwhile."""
+        if claiming.cancelled() or claiming.exception() is not None:
+            return
+        held = claiming.result()
+        if held is None or self.remote is None:
+            return
+        held.claimed_by = None
+        task = asyncio.ensure_future(self.remote.hand_back(held))
+        self._settling.add(task)
+        task.add_done_callback(_settled)
+        task.add_done_callback(self._settling.discard)
 
     def _claim_held(self, episode_id: str, attempt: int) -> Held | None:
         held = self.held.get(episode_id)
@@ -535,6 +557,11 @@ class Participant:
                 await self.provider.release(session_id)
         self.held.clear()
         self.restored = False
+
+
+def _settled(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("hand_back_failed", error=repr(task.exception()))
 
 
 def _read_paused(path: Path, entries: list[IndexEntry]) -> list[dict[str, Any]]:

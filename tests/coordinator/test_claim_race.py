@@ -429,3 +429,55 @@ async def test_a_claim_answer_reaches_its_worker_before_a_close_that_follows_it(
     finally:
         await channel.close()
         await channels.close()
+
+
+async def test_a_request_cancelled_while_its_claim_is_answered_hands_the_record_back(
+    short_tmp: Path,
+) -> None:
+    """The coordinator grants attempt 2's claim; the request is cancelled (an app's
+    timeout) before the answer reaches it. The record must be held again for attempt 2,
+    not stay claimed by a live worker that runs nothing (SPEC 5.8)."""
+    root = short_tmp / "ckpt"
+    servers: list[Server] = []
+    pending: list[asyncio.Task[Any]] = []
+    try:
+        first = await start_server(short_tmp, root, "r1")
+        servers.append(first)
+        a = first.workers[0]
+        running = asyncio.create_task(a.run(1))
+        pending.append(running)
+        await eventually(lambda: (EPISODE, 1) in a.participant.episodes, "attempt 1 runs")
+        prepared = await a.ok("prepare", checkpoint_id="c1", deadline_s=BOUND)
+        assert prepared["state"] == "prepared", prepared
+        await first.checkpoint("c1", via=a)
+        await running
+        await first.stop()
+
+        second = await start_server(short_tmp, root, "r2")
+        servers.append(second)
+        a, b = second.workers
+        await b.ok("restore", checkpoint_id="c1", deadline_s=BOUND)
+        await b.ok("resume", checkpoint_id="c1")
+
+        async def attempt_2() -> None:
+            async with a.participant.episode(EPISODE, 2):
+                raise AssertionError("the claim's answer never reached this request")
+
+        request = asyncio.create_task(attempt_2())
+        pending.append(request)
+        second.on_claim_answered = request.cancel  # granted, and the answer in flight
+        await asyncio.gather(request, return_exceptions=True)
+        assert request.cancelled()
+        await eventually(
+            lambda: second.fleet.held_episodes() == [{"episode_id": EPISODE,
+                                                      "attempt_to_send": 2}],
+            "the granted record is held again",
+        )
+        done = (await b.run(2)).json()
+        assert (done["attempt"], done["steps_done"]) == (2, STEPS)
+    finally:
+        for server in servers:
+            await server.stop()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
