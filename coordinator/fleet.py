@@ -199,14 +199,23 @@ class ChannelFleet:
         if dry_run:
             return answer
         tables = await asyncio.to_thread(self._write_tables, placement.sessions, placement.aliases)
+        # From here a worker that registers is welcomed with these tables (SPEC 5.7): it
+        # routes old cookies from its first request even while the others install.
+        self.tables_file, self.aliases = tables, dict(placement.aliases)
         reads = await asyncio.to_thread(_reads, checkpoint, placement.sessions)
         # Every placed worker is called, registered or not: one that left since the
         # placement fails the call (ChannelLost) and the restore with it, all or nothing.
         bodies = {w: {"tables": tables, "segments": reads.get(w, [])}
                   for w in {*self.coordinator.links, *reads}}
-        results = await self._gather_each("install", bodies, WORK_TIMEOUT_S)
+        try:
+            results = await self._gather_each("install", bodies, WORK_TIMEOUT_S)
+        except BaseException:  # the restore's deadline: nothing may stay half installed
+            self.tables_file, self.aliases = None, {}
+            await self._gather("release_installed")
+            raise
         failed = [(w, a) for w, a in results if isinstance(a, BaseException)]
         if failed:
+            self.tables_file, self.aliases = None, {}
             await self._gather("release_installed")
             worker, error = failed[0]
             if isinstance(error, TetherError):
@@ -214,7 +223,6 @@ class ChannelFleet:
             raise TetherError("corrupt_checkpoint", f"worker {worker} failed to install: {error!r}")
         for path, entry in episodes:
             self.held[entry.id] = Held(entry.id, entry.attempt or 0, path, entry)
-        self.tables_file, self.aliases = tables, dict(placement.aliases)
         self.placed_count = len(placement.sessions)
         self.restored = True
         return answer

@@ -99,6 +99,8 @@ class TetherWorker:
         self._watch: asyncio.Task[None] | None = None
         self._exports: set[asyncio.Task[Any]] = set()
         """Exports running for the coordinator; `abort_export` cancels them."""
+        self._installs: set[asyncio.Future[int]] = set()
+        """Installs running for the coordinator; `release_installed` cancels them."""
         self._stopping = False
 
     @property
@@ -254,8 +256,20 @@ class TetherWorker:
             await asyncio.gather(*running, return_exceptions=True)
             return len(running)
         elif kind == "install":
-            return await self._install(body)
+            install = asyncio.ensure_future(self._install(body))
+            self._installs.add(install)
+            try:
+                return await install
+            except BaseException:
+                install.cancel()
+                raise
+            finally:
+                self._installs.discard(install)
         elif kind == "release_installed":
+            installing = list(self._installs)  # a restore given up: stop installing first
+            for stopping in installing:
+                stopping.cancel()
+            await asyncio.gather(*installing, return_exceptions=True)
             await participant.release_all()
             self.routing.tables.placed, self.routing.tables.aliases = {}, {}
         elif kind == "retire":

@@ -47,7 +47,7 @@ from coordinator.coordinator import Coordinator
 from coordinator.fleet import ChannelFleet
 from coordinator.runtime import COORDINATOR_SOCKET
 from coordinator.worker import TetherWorker, WorkerSettings
-from examples import episodes
+from examples import counter, episodes
 from routing.types import WorkerId, new_worker_id
 
 P = ParamSpec("P")
@@ -196,7 +196,9 @@ class Server:
         await self.checkpointer.stop()
 
 
-async def start_server(base: Path, root: Path, label: str) -> Server:
+async def start_server(
+    base: Path, root: Path, label: str, app: str = "examples.episodes:app"
+) -> Server:
     runtime_dir = base / label
     runtime_dir.mkdir(mode=0o700)
     for sub in ("w", "claims"):
@@ -212,7 +214,7 @@ async def start_server(base: Path, root: Path, label: str) -> Server:
     )
     await server.channels.start()
     settings = WorkerSettings(
-        app="examples.episodes:app",
+        app=app,
         runtime_dir=str(runtime_dir),
         workers=2,
         fd=-1,
@@ -227,7 +229,7 @@ async def start_server(base: Path, root: Path, label: str) -> Server:
 
 
 async def _start_worker(settings: WorkerSettings) -> Worker:
-    app = episodes.create_app()
+    app = (counter if settings.app.startswith("examples.counter") else episodes).create_app()
     worker = TetherWorker(app, resolve_kind(app, None, None), settings)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
