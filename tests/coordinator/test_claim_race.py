@@ -67,19 +67,19 @@ BOUND = 10.0
 GRACE_S = 1
 
 
-class HeldLoads(ThreadPoolExecutor):
-    """The loop's default executor, holding back each read of a held episode record
-    (`Held.load`, which the participant runs through `asyncio.to_thread`) until `release`
-    is set: a record that takes as long to read as the test needs. Everything else runs
-    at once."""
+class HeldReads(ThreadPoolExecutor):
+    """The loop's default executor, holding back each call of `function` run through
+    `asyncio.to_thread` until `release` is set: a read that takes as long as the test
+    needs. Everything else runs at once."""
 
-    def __init__(self) -> None:
-        super().__init__(thread_name_prefix="claim-race")
+    def __init__(self, function: Callable[..., Any]) -> None:
+        super().__init__(thread_name_prefix="held-reads")
+        self.function = function
         self.requested = threading.Event()
         self.release = threading.Event()
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        if not _reads_a_held_record(fn):
+        if not self._holds(fn):
             return super().submit(fn, *args, **kwargs)
         self.requested.set()
 
@@ -89,12 +89,12 @@ class HeldLoads(ThreadPoolExecutor):
 
         return super().submit(held_back)
 
-
-def _reads_a_held_record(fn: object) -> bool:
-    # asyncio.to_thread(f) submits functools.partial(context.run, f).
-    if not isinstance(fn, functools.partial) or not fn.args:
-        return False
-    return getattr(fn.args[0], "__func__", None) is Held.load
+    def _holds(self, fn: object) -> bool:
+        # asyncio.to_thread(f) submits functools.partial(context.run, f, ...).
+        if not isinstance(fn, functools.partial) or not fn.args:
+            return False
+        called = fn.args[0]
+        return called is self.function or getattr(called, "__func__", None) is self.function
 
 
 async def eventually(check: Callable[[], Any], what: str, within: float = BOUND) -> Any:
@@ -267,6 +267,36 @@ def episode_entries(
     ]
 
 
+async def restored_after_attempt_1(
+    base: Path, root: Path, servers: list[Server]
+) -> tuple[Server, int]:
+    """Checkpoint c1 with attempt 1 parked at a boundary, stop that server, and restore c1
+    on a fresh one (its coordinator holds the record by location). The fresh server and
+    the step attempt 1 parked at."""
+    first = await start_server(base, root, "r1")
+    servers.append(first)
+    a = first.workers[0]
+    running = asyncio.create_task(a.run(1))
+    try:
+        await eventually(lambda: (EPISODE, 1) in a.participant.episodes, "attempt 1 runs")
+        prepared = await a.ok("prepare", checkpoint_id="c1", deadline_s=BOUND)
+        assert prepared["state"] == "prepared", prepared
+        parked_at: int = a.participant.episodes[(EPISODE, 1)].state["step"]
+        assert 0 < parked_at < STEPS - 1, parked_at
+        await first.checkpoint("c1", via=a)
+        assert (await running).json()["steps_done"] == STEPS
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    await first.stop()
+    second = await start_server(base, root, "r2")
+    servers.append(second)
+    restored = await second.workers[1].ok("restore", checkpoint_id="c1", deadline_s=BOUND)
+    assert restored["held_episodes"] == [{"episode_id": EPISODE, "attempt_to_send": 2}]
+    await second.workers[1].ok("resume", checkpoint_id="c1")
+    return second, parked_at
+
+
 async def test_an_episode_claimed_as_a_prepare_starts_is_waited_for_and_exported_once(
     short_tmp: Path,
 ) -> None:
@@ -274,34 +304,14 @@ async def test_an_episode_claimed_as_a_prepare_starts_is_waited_for_and_exported
     answered and the close reaches A while the record is still being read. The prepare
     must wait for the episode (blocked on it at a short deadline, prepared once it parks),
     the commit must hold it once, from A, and a restore of that commit continues it."""
-    loads = HeldLoads()  # the runner shuts the loop's default executor down with the loop
+    loads = HeldReads(Held.load)  # the runner shuts the loop's default executor down
     asyncio.get_running_loop().set_default_executor(loads)
     root = short_tmp / "ckpt"
     servers: list[Server] = []
     pending: list[asyncio.Task[Any]] = []
     try:
-        # Checkpoint c1 parks attempt 1 at a boundary; then the server goes away.
-        first = await start_server(short_tmp, root, "r1")
-        servers.append(first)
-        a = first.workers[0]
-        running = asyncio.create_task(a.run(1))
-        pending.append(running)
-        await eventually(lambda: (EPISODE, 1) in a.participant.episodes, "attempt 1 runs")
-        prepared = await a.ok("prepare", checkpoint_id="c1", deadline_s=BOUND)
-        assert prepared["state"] == "prepared", prepared
-        parked_at = a.participant.episodes[(EPISODE, 1)].state["step"]
-        assert 0 < parked_at < STEPS - 1, parked_at
-        await first.checkpoint("c1", via=a)
-        assert (await running).json()["steps_done"] == STEPS
-        await first.stop()
-
-        # A fresh server restores c1: the coordinator holds the record by location.
-        second = await start_server(short_tmp, root, "r2")
-        servers.append(second)
+        second, parked_at = await restored_after_attempt_1(short_tmp, root, servers)
         a, b = second.workers
-        restored = await b.ok("restore", checkpoint_id="c1", deadline_s=BOUND)
-        assert restored["held_episodes"] == [{"episode_id": EPISODE, "attempt_to_send": 2}]
-        await b.ok("resume", checkpoint_id="c1")
 
         # Attempt 2 claims it on worker A; the prepare of c2 starts as the claim is answered.
         prepares: list[asyncio.Task[Any]] = []
@@ -443,23 +453,8 @@ async def test_a_request_cancelled_while_its_claim_is_answered_hands_the_record_
     servers: list[Server] = []
     pending: list[asyncio.Task[Any]] = []
     try:
-        first = await start_server(short_tmp, root, "r1")
-        servers.append(first)
-        a = first.workers[0]
-        running = asyncio.create_task(a.run(1))
-        pending.append(running)
-        await eventually(lambda: (EPISODE, 1) in a.participant.episodes, "attempt 1 runs")
-        prepared = await a.ok("prepare", checkpoint_id="c1", deadline_s=BOUND)
-        assert prepared["state"] == "prepared", prepared
-        await first.checkpoint("c1", via=a)
-        await running
-        await first.stop()
-
-        second = await start_server(short_tmp, root, "r2")
-        servers.append(second)
+        second, _ = await restored_after_attempt_1(short_tmp, root, servers)
         a, b = second.workers
-        await b.ok("restore", checkpoint_id="c1", deadline_s=BOUND)
-        await b.ok("resume", checkpoint_id="c1")
 
         async def attempt_2() -> None:
             async with a.participant.episode(EPISODE, 2):
@@ -467,7 +462,10 @@ async def test_a_request_cancelled_while_its_claim_is_answered_hands_the_record_
 
         request = asyncio.create_task(attempt_2())
         pending.append(request)
-        second.on_claim_answered = request.cancel  # granted, and the answer in flight
+        def cancel_the_request() -> None:  # granted, and the answer in flight
+            request.cancel()
+
+        second.on_claim_answered = cancel_the_request
         await asyncio.gather(request, return_exceptions=True)
         assert request.cancelled()
         await eventually(

@@ -9,12 +9,8 @@ until the newcomer has registered.
 from __future__ import annotations
 
 import asyncio
-import functools
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 from checkpoint import participant as participant_module
 from checkpoint.store import read_manifest_digest, write_checkpoint_json
@@ -24,6 +20,7 @@ from tests.coordinator.test_claim_race import (
     BOUND,
     NAME,
     TOKEN,
+    HeldReads,
     Server,
     Worker,
     _start_worker,
@@ -31,34 +28,8 @@ from tests.coordinator.test_claim_race import (
     start_server,
 )
 
-P = ParamSpec("P")
-T = TypeVar("T")
 APP = "examples.counter:app"
 SESSIONS = 20
-
-
-class HeldInstalls(ThreadPoolExecutor):
-    """The loop's default executor, holding back every read of an install's records
-    until `release` is set."""
-
-    def __init__(self) -> None:
-        super().__init__(thread_name_prefix="install-join")
-        self.requested = threading.Event()
-        self.release = threading.Event()
-
-    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        # asyncio.to_thread(f) submits functools.partial(context.run, f, ...).
-        reads = (isinstance(fn, functools.partial) and fn.args
-                 and fn.args[0] is participant_module._read_paused)
-        if not reads:
-            return super().submit(fn, *args, **kwargs)
-        self.requested.set()
-
-        def held_back() -> T:
-            self.release.wait(BOUND)
-            return fn(*args, **kwargs)
-
-        return super().submit(held_back)
 
 
 async def count(worker: Worker, cookie: str) -> Any:
@@ -73,7 +44,7 @@ async def test_a_worker_registering_during_the_install_routes_old_cookies_at_onc
     root = short_tmp / "ckpt"
     servers: list[Server] = []
     extra: list[Worker] = []
-    installs = HeldInstalls()  # the runner shuts the loop's default executor down
+    installs = HeldReads(participant_module._read_paused)  # the runner shuts it down
     asyncio.get_running_loop().set_default_executor(installs)
     try:
         first = await start_server(short_tmp, root, "r1", APP)
