@@ -354,6 +354,16 @@ def _frame(frame: str) -> str:
     return f"{match.group(2).rsplit('/', 2)[-1]}:{match.group(1)}"
 
 
+def publish(root: Path, checkpoint_id: str, server: Server) -> None:
+    """Write CHECKPOINT.json for the one participant, as the controller does."""
+    entry: Any = {
+        "name": NAME,
+        "url": f"http://127.0.0.1:{server.port}",
+        "manifest_digest": read_manifest_digest(root, checkpoint_id, NAME),
+    }
+    write_checkpoint_json(root, checkpoint_id, [entry], None, None)
+
+
 # Baseline
 
 
@@ -530,12 +540,7 @@ def checkpoint_round(
                 with measure(os.getpid()) as done:
                     size = baseline_commit(records, work / f"baseline-{rep}.msgpack")
                 baseline = {**done.__dict__, "bytes": size}
-        entry: Any = {
-            "name": NAME,
-            "url": f"http://127.0.0.1:{server.port}",
-            "manifest_digest": read_manifest_digest(root, checkpoint_id, NAME),
-        }
-        write_checkpoint_json(root, checkpoint_id, [entry], None, None)
+        publish(root, checkpoint_id, server)
         _, resume_s = control.call("resume", checkpoint_id=checkpoint_id)
         parks, _ = control.ok("POST", "/bench/parks")
         logged = server.events("commit_finished")

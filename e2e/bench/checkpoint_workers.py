@@ -45,7 +45,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from checkpoint.store import read_manifest_digest, write_checkpoint_json
 from e2e.bench import machine
 from e2e.bench.checkpoint import (
     APP,
@@ -70,6 +69,7 @@ from e2e.bench.checkpoint import (
     cpu_ticks,
     idle_pairs,
     measure,
+    publish,
     start_server,
 )
 from e2e.bench.state_app import session_id, summed_digest
@@ -190,12 +190,7 @@ def checkpoint_round(
                 with measure(os.getpid()) as done:
                     size = baseline_commit(records, work / f"baseline-{rep}.msgpack")
                 baseline = {**done.__dict__, "bytes": size}
-        entry: Any = {
-            "name": NAME,
-            "url": f"http://127.0.0.1:{server.port}",
-            "manifest_digest": read_manifest_digest(root, checkpoint_id, NAME),
-        }
-        write_checkpoint_json(root, checkpoint_id, [entry], None, None)
+        publish(root, checkpoint_id, server)
         _, resume_s = control.call("resume", checkpoint_id=checkpoint_id)
         channel["after_resume"] = control.call("status")[0]["channel_bytes"]
         parks = [on_worker(server, w, "POST", "/bench/parks") for w in server.worker_ids]
