@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 import structlog
 
 from checkpoint import gcpause
+from checkpoint.phases import MAX_BLOCKERS
 from checkpoint.segments import IndexEntry, SegmentInfo, SegmentWriter, read_index, read_records
 from routing.errors import TetherError
 from routing.types import SessionId
@@ -34,7 +35,7 @@ WRITE_AHEAD = 8 * 1024 * 1024
 """Packed bytes an export writes out sooner than `EXPORT_BATCH` records (big states)."""
 HELD_BATCH = 64
 """Held records whose states an export reads from disk at a time."""
-LISTED_BLOCKERS = 100
+LISTED_BLOCKERS = MAX_BLOCKERS
 """Blockers listed at most (SPEC 5.2); the rest are only counted."""
 APP_SCAN_S = 0.05
 """How stale the app's busy flags may be in a report while other blockers remain."""
