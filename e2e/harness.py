@@ -351,8 +351,11 @@ def start_server(
 # Waiting ------------------------------------------------------------------------------
 
 
-async def eventually(check: Callable[[], Any], within: float, what: str) -> Any:
-    """Poll `check` (sync or async) until it returns something true; fail after `within` s."""
+async def eventually(
+    check: Callable[[], Any], within: float = 5.0, what: str = "", every: float = 0.05
+) -> Any:
+    """Poll `check` (sync or async) every `every` s until it returns something true; fail
+    after `within` s. (Shared by the end-to-end and the in-process tests.)"""
     deadline = time.monotonic() + within
     while True:
         value = check()
@@ -361,8 +364,8 @@ async def eventually(check: Callable[[], Any], within: float, what: str) -> Any:
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.05)
+            raise AssertionError(f"timed out after {within} s waiting until {what or check}")
+        await asyncio.sleep(every)
 
 
 async def bounded(aws: Iterable[Awaitable[T]], limit: int = CONCURRENCY) -> list[T]:

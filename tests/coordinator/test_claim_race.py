@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from coordinator.runtime import COORDINATOR_SOCKET
 from coordinator.worker import TetherWorker, WorkerSettings
 from examples import counter, episodes
 from routing.types import WorkerId, new_worker_id
+from tests.checkpoint.conftest import eventually
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -95,19 +94,6 @@ class HeldReads(ThreadPoolExecutor):
             return False
         called = fn.args[0]
         return called is self.function or getattr(called, "__func__", None) is self.function
-
-
-async def eventually(check: Callable[[], Any], what: str, within: float = BOUND) -> Any:
-    deadline = time.monotonic() + within
-    while True:
-        value = check()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {within} s waiting until {what}")
-        await asyncio.sleep(0.005)
 
 
 @dataclass
@@ -278,7 +264,9 @@ async def restored_after_attempt_1(
     a = first.workers[0]
     running = asyncio.create_task(a.run(1))
     try:
-        await eventually(lambda: (EPISODE, 1) in a.participant.episodes, "attempt 1 runs")
+        await eventually(
+            lambda: (EPISODE, 1) in a.participant.episodes, BOUND, "attempt 1 runs"
+        )
         prepared = await a.ok("prepare", checkpoint_id="c1", deadline_s=BOUND)
         assert prepared["state"] == "prepared", prepared
         parked_at: int = a.participant.episodes[(EPISODE, 1)].state["step"]
@@ -323,11 +311,13 @@ async def test_an_episode_claimed_as_a_prepare_starts_is_waited_for_and_exported
         second.on_claim_answered = prepare_now
         running = asyncio.create_task(a.run(2))
         pending.append(running)
-        await eventually(lambda: prepares, "the coordinator answered the claim")
+        await eventually(lambda: prepares, BOUND, "the coordinator answered the claim")
         pending.extend(prepares)
         assert second.fleet.held[EPISODE].claimed_by == a.id
-        await eventually(loads.requested.is_set, "worker A reads the claimed record")
-        await eventually(lambda: a.participant.admission_closed, "the close reached worker A")
+        await eventually(loads.requested.is_set, BOUND, "worker A reads the claimed record")
+        await eventually(
+            lambda: a.participant.admission_closed, BOUND, "the close reached worker A"
+        )
         # The premise: the close reached A while its request had the claim's answer and
         # was still reading the record, so the app has not run a step of attempt 2.
         assert not any(e.boundaries for e in a.participant.episodes.values())
@@ -471,6 +461,7 @@ async def test_a_request_cancelled_while_its_claim_is_answered_hands_the_record_
         await eventually(
             lambda: second.fleet.held_episodes() == [{"episode_id": EPISODE,
                                                       "attempt_to_send": 2}],
+            BOUND,
             "the granted record is held again",
         )
         done = (await b.run(2)).json()

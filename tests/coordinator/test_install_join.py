@@ -15,6 +15,7 @@ from typing import Any
 from checkpoint import participant as participant_module
 from checkpoint.store import read_manifest_digest, write_checkpoint_json
 from coordinator.worker import WorkerSettings
+from tests.checkpoint.conftest import eventually
 from tests.coordinator.test_claim_race import (
     AUTH,
     BOUND,
@@ -24,7 +25,6 @@ from tests.coordinator.test_claim_race import (
     Server,
     Worker,
     _start_worker,
-    eventually,
     start_server,
 )
 
@@ -76,7 +76,9 @@ async def test_a_worker_registering_during_the_install_routes_old_cookies_at_onc
             holder.http.post("/_tether/restore", json={"checkpoint_id": "c1",
                                                        "deadline_s": BOUND}, headers=AUTH)
         )
-        await eventually(installs.requested.is_set, "a worker reads its placed records")
+        await eventually(
+            installs.requested.is_set, BOUND, "a worker reads its placed records"
+        )
         settings = WorkerSettings(app=APP, runtime_dir=str(second.runtime_dir), workers=2,
                                   fd=-1, token=TOKEN, name=NAME, checkpoint_root=str(root))
         newcomer = await _start_worker(settings)  # registers while the install is held
