@@ -367,6 +367,23 @@ def publish(root: Path, checkpoint_id: str, server: Server) -> None:
 # Baseline
 
 
+def recycle_page_cache(work: Path, size: int) -> None:
+    """Write `size` bytes to a scratch file and delete it, untimed, right before a timed
+    step that writes about that much: both commits then write into page cache just freed.
+
+    On this VM, writing into memory the guest has not used lately costs 2-4 µs a page:
+    234 MB took 0.4-0.9 s to write against 0.06-0.08 s into the pages of a file just
+    deleted (freeing anonymous memory instead does not help). Without this, whichever
+    commit ran second in a repetition paid that alone (e2e/bench/checkpoint.py's history
+    in docs/benchmarks.md)."""
+    block = b"\xa5" * WRITE_BUFFER
+    scratch = work / "scratch"
+    with open(scratch, "wb", buffering=0) as file:
+        for _ in range(0, size, len(block)):
+            file.write(block)
+    scratch.unlink()
+
+
 def baseline_commit(records: list[dict[str, Any]], path: Path) -> int:
     """Pack every record with one Packer into one buffered file, then fsync it; its size."""
     packer = msgpack.Packer(use_bin_type=True)
@@ -478,6 +495,11 @@ class Scale:
     state_bytes: int
     step_ms: float
 
+    @property
+    def segment_bytes(self) -> int:
+        """About what a commit writes (each record adds ~100 B to its state)."""
+        return (self.sessions + self.episodes) * (self.state_bytes + 128)
+
 
 def idle_pairs(control: Control, prefix: str, rounds: int) -> dict[str, list[float]]:
     """`rounds` interleaved (status, prepare) round trips; each prepare is resumed."""
@@ -533,6 +555,7 @@ def checkpoint_round(
             raise RuntimeError(f"the prepare answered {prepared}")
         baseline: dict[str, Any] = {}
         for step in ("baseline", "tether") if rep % 2 == 0 else ("tether", "baseline"):
+            recycle_page_cache(work, scale.segment_bytes)
             if step == "tether":
                 with sampled(pid, work / f"commit-{rep}.txt", profile), measure(pid) as commit:
                     manifest, _ = control.call("commit", checkpoint_id=checkpoint_id)

@@ -70,6 +70,7 @@ from e2e.bench.checkpoint import (
     idle_pairs,
     measure,
     publish,
+    recycle_page_cache,
     start_server,
 )
 from e2e.bench.state_app import session_id, summed_digest
@@ -179,6 +180,7 @@ def checkpoint_round(
         baseline: dict[str, Any] = {}
         coordinator_cpu = 0.0
         for step in ("baseline", "tether") if rep % 2 == 0 else ("tether", "baseline"):
+            recycle_page_cache(work, scale.segment_bytes)
             if step == "tether":
                 channel["before_commit"] = control.call("status")[0]["channel_bytes"]
                 main_cpu = cpu_seconds(server.process.pid)
