@@ -10,7 +10,9 @@ What was tracked before the pause is frozen (`gc.freeze`) for its length, unless
 froze objects itself (then its frozen heap is left as it is): a full
 collection the app's own growth had made due (0.3 s over 100,000 states) is then not
 run by the pause's first allocation after it ends, inside a commit, but when the app's
-own allocations next call for it.
+own allocations next call for it. What the pause built and kept (an index, installed
+states) goes with the frozen heap straight to the oldest generation: otherwise the first
+young collection after the pause traverses all of it (0.03 s for a 110,000-entry index).
 
 Pauses nest and may come from several threads (reads run in `asyncio.to_thread`):
 collection resumes when the last one ends, and only if it was enabled when the first
@@ -52,6 +54,7 @@ def paused() -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 if _froze:
-                    gc.unfreeze()
+                    gc.freeze()  # the pause's survivors join what was frozen...
+                    gc.unfreeze()  # ...and all of it goes to the oldest generation
                 if _resume:
                     gc.enable()

@@ -50,7 +50,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, TypedDict
 
-from checkpoint.segments import DIGEST_ALGORITHM, IndexEntry, SegmentInfo, read_index, verify
+from checkpoint.segments import (
+    DIGEST_ALGORITHM,
+    DIGEST_HEX_LENGTH,
+    IndexEntry,
+    SegmentInfo,
+    read_index,
+    verify,
+)
 from routing.errors import ErrorCode, TetherError
 from routing.types import worker_id_or_none
 
@@ -90,7 +97,7 @@ FAULT_POINTS = ("after_segments", "after_manifest", "before_checkpoint_rename")
 # Manifests and CHECKPOINT.json are small; anything bigger is not one of ours.
 _MAX_JSON_BYTES = 64 * 1024 * 1024
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+_HEX_DIGEST = re.compile(r"[0-9a-f]+")
 # Readers need these keys and ignore any others, in every JSON object of the format.
 _SEGMENT_KEYS = frozenset({"file", "bytes", "records", "digest", "worker"})
 _PARTICIPANT_KEYS = frozenset({"name", "url", "manifest_digest"})
@@ -252,8 +259,9 @@ def _manifest_problem(manifest: Any, checkpoint_id: str, participant: str) -> st
         for old, new in aliases.items()
     ):
         return "manifest `owner_aliases` is not a map of worker IDs to worker IDs"
-    if manifest.get("digest_algorithm") != DIGEST_ALGORITHM:
-        return f"manifest `digest_algorithm` is {manifest.get('digest_algorithm')!r}"
+    algorithm = manifest.get("digest_algorithm")
+    if not isinstance(algorithm, str) or algorithm not in DIGEST_HEX_LENGTH:
+        return f"manifest `digest_algorithm` is {algorithm!r}"
     records = manifest.get("records")
     if (
         not isinstance(records, dict)
@@ -275,6 +283,7 @@ def _manifest_problem(manifest: Any, checkpoint_id: str, participant: str) -> st
             or not _is_count(segment["bytes"])
             or not _is_count(segment["records"])
             or not isinstance(segment["digest"], str)
+            or len(segment["digest"]) != DIGEST_HEX_LENGTH[algorithm]
             or not _HEX_DIGEST.fullmatch(segment["digest"])
         ):
             return f"manifest segment {number} is malformed"
@@ -549,6 +558,7 @@ def _participants_problem(participants: Any) -> str | None:
             or not _NAME.fullmatch(item["name"])
             or not isinstance(item["url"], str)
             or not isinstance(item["manifest_digest"], str)
+            or len(item["manifest_digest"]) != DIGEST_HEX_LENGTH["sha256"]
             or not _HEX_DIGEST.fullmatch(item["manifest_digest"])
         ):
             return f"participant {item!r} is not {{name, url, manifest_digest}}"
@@ -739,8 +749,9 @@ def load_checkpoint(
 
 def verify_segments(checkpoint: Checkpoint) -> None:
     """Check every segment's size, whole-file digest and record count (reads every byte)."""
+    algorithm = checkpoint.manifest["digest_algorithm"]
     for segment in checkpoint.segments:
-        verify(segment.path, segment.digest, segment.bytes, segment.records)
+        verify(segment.path, segment.digest, segment.bytes, segment.records, algorithm)
 
 
 # -- listing and `latest` -------------------------------------------------------------

@@ -166,7 +166,7 @@ def test_add_session_writes_the_bytes_of_the_record_map(
 
 
 async def test_an_export_of_big_states_writes_them_out_as_it_goes(tmp_path: Path) -> None:
-    """Packed bytes are written once `WRITE_AHEAD` (8 MiB) wait, not only every
+    """Packed bytes are written once `WRITE_AHEAD` (4 MiB) wait, not only every
     `EXPORT_BATCH` records: 96 states of 1 MiB never sit packed in memory all at once."""
     states = States(0)
     states.states = {f"big{n:03d}": bytes([n]) * (1 << 20) for n in range(96)}

@@ -79,3 +79,29 @@ def test_a_pause_freezes_only_for_its_length() -> None:
     with gcpause.paused():
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
+
+
+def in_generation(generation: int, target: object) -> bool:
+    return any(o is target for o in gc.get_objects(generation=generation))
+
+
+def test_what_a_pause_built_goes_straight_to_the_oldest_generation() -> None:
+    """Else the first young collection after a commit traverses the whole index."""
+    gc.enable()
+    with gcpause.paused():
+        built = [["entry", n] for n in range(1000)]
+    assert in_generation(2, built) and in_generation(2, built[-1])
+    assert not in_generation(0, built)
+
+
+def test_an_app_that_froze_its_heap_keeps_it_frozen_and_young_stays_young() -> None:
+    gc.enable()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gcpause.paused():
+            built = [["entry", n] for n in range(10)]
+        assert gc.get_freeze_count() == frozen
+        assert in_generation(0, built)
+    finally:
+        gc.unfreeze()

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpoint.segments import (
     DIGEST_ALGORITHM,
+    SYNC_AHEAD,
     IndexEntry,
     SegmentWriter,
     read_index,
@@ -105,8 +109,9 @@ def test_close_reports_name_size_count_and_the_whole_files_digest(tmp_path: Path
         "file": "segment-w.msgpack",
         "bytes": len(data),
         "records": 5,
-        "digest": hashlib.new(DIGEST_ALGORITHM, data).hexdigest(),
+        "digest": xxhash.xxh3_128(data).hexdigest(),
     }
+    assert DIGEST_ALGORITHM == "xxh3_128"
     verify(path, info["digest"], info["bytes"], info["records"])
 
 
@@ -384,3 +389,58 @@ def test_any_records_read_back_equal_and_index_entries_match(
     assert [(e.kind, e.id, e.owner, e.attempt) for e in entries] == expected
     assert all(isinstance(e, IndexEntry) for e in entries)
     verify(path, info["digest"], info["bytes"], len(records))
+
+
+def test_verify_checks_a_segment_with_the_algorithm_its_manifest_names(tmp_path: Path) -> None:
+    path = tmp_path / "segment.msgpack"
+    info = write(path, [session("s1", 1)])
+    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    verify(path, sha256, info["bytes"], 1, "sha256")
+    detail = corrupt_detail(verify, path, info["digest"], info["bytes"], 1, "sha256")
+    assert "sha256 digest" in detail
+
+
+def big_sessions(count: int) -> list[dict[str, Any]]:
+    return [session(f"big{n}", bytes([n]) * (1 << 20)) for n in range(count)]
+
+
+def test_a_long_segment_is_flushed_in_the_background_as_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every `SYNC_AHEAD` bytes a thread flushes what is written, so that close's fsync
+    has only the tail left; close waits for it."""
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def recording(fd: int) -> None:
+        synced.append(os.fstat(fd).st_size)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", recording)
+    path = tmp_path / "segment.msgpack"
+    records = big_sessions(3 * SYNC_AHEAD >> 20)
+    with SegmentWriter(path) as writer:
+        writer.add_all(records)
+        info = writer.close()
+    assert synced and all(size >= SYNC_AHEAD for size in synced)
+    assert not [t for t in threading.enumerate() if t.name == "tether-segment-sync"]
+    verify(path, info["digest"], info["bytes"], len(records))
+
+
+def test_a_background_flush_that_fails_fails_the_segment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    path = tmp_path / "segment.msgpack"
+    def write_past_a_sync() -> None:
+        with SegmentWriter(path) as writer:
+            writer.add_all(big_sessions((SYNC_AHEAD >> 20) + 2))
+            writer.close()
+
+    with pytest.raises(TetherError) as caught:
+        write_past_a_sync()
+    assert caught.value.code == "commit_failed" and "Input/output error" in caught.value.detail
+    assert not path.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -177,7 +178,7 @@ def test_the_manifest_has_exactly_the_contract_fields(tmp_path: Path) -> None:
     assert manifest["created_at"] == "2027-01-15T08:00:00.000000Z"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", manifest["created_at"])
     assert manifest["workers"] == [W1, W2]
-    assert manifest["digest_algorithm"] == "sha256"
+    assert manifest["digest_algorithm"] == "xxh3_128"
     assert manifest["records"] == {"sessions": 3, "episodes": 2}
     assert manifest["state_version"] == "v1"
     assert [set(s) for s in manifest["segments"]] == [
@@ -450,7 +451,8 @@ def test_a_missing_segment_is_corrupt(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "what"),
     [
-        (lambda m: m["segments"][0].update(digest="0" * 64), "digest"),
+        (lambda m: m["segments"][0].update(digest="0" * 32), "digest"),
+        (lambda m: m["segments"][0].update(digest="0" * 64), "segment 0 is malformed"),
         (lambda m: m["segments"][0].update(bytes=m["segments"][0]["bytes"] + 1), "bytes"),
         (
             lambda m: (m["segments"][0].update(records=4), m["records"].update(sessions=4)),
@@ -467,6 +469,7 @@ def test_a_missing_segment_is_corrupt(tmp_path: Path) -> None:
     ],
     ids=[
         "digest",
+        "digest-length",
         "bytes",
         "count",
         "kinds",
@@ -486,6 +489,29 @@ def test_a_manifest_that_lies_or_is_malformed_is_corrupt(
     complete(tmp_path, "c1")
     rewrite_manifest(tmp_path, "c1", change)
     assert what in error_of("corrupt_checkpoint", load_checkpoint, tmp_path, "c1", "srv")
+
+
+def test_a_checkpoint_written_with_sha256_digests_still_loads(tmp_path: Path) -> None:
+    """Checkpoints from before xxh3_128 name sha256; the reader checks them with it."""
+    commit(tmp_path, "c1")
+    complete(tmp_path, "c1")
+    directory = tmp_path / "c1" / "srv"
+
+    def to_sha256(manifest: dict[str, Any]) -> None:
+        manifest["digest_algorithm"] = "sha256"
+        for segment in manifest["segments"]:
+            data = (directory / segment["file"]).read_bytes()
+            segment["digest"] = hashlib.sha256(data).hexdigest()
+
+    rewrite_manifest(tmp_path, "c1", to_sha256)
+    checkpoint = load_checkpoint(tmp_path, "c1", "srv")
+    assert checkpoint.manifest["digest_algorithm"] == "sha256"
+    # and the sha256 digests are really checked: one flipped byte is corrupt
+    segment = directory / f"segment-{W1}.msgpack"
+    data = bytearray(segment.read_bytes())
+    data[0] ^= 1
+    segment.write_bytes(data)
+    assert "sha256 digest" in error_of("corrupt_checkpoint", load_checkpoint, tmp_path, "c1", "srv")
 
 
 def test_unknown_manifest_fields_are_ignored_for_forward_compatibility(tmp_path: Path) -> None:
