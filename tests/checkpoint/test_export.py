@@ -8,6 +8,8 @@ author could register, with hooks to misbehave the way apps do.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import tracemalloc
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,13 +20,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint.participant import EXPORT_BATCH, Participant
-from checkpoint.segments import WRITE_BUFFER, SegmentWriter, read_index, read_records
+from checkpoint.participant import EXPORT_BATCH, WRITE_AHEAD, Participant
+from checkpoint.segments import SegmentWriter, read_index, read_records
 from routing.errors import TetherError
 from routing.types import new_worker_id
 
 STATE_BYTES = 2048
-SESSIONS = 3 * EXPORT_BATCH + 7  # several batches, several chunks written behind
+SESSIONS = 8 * EXPORT_BATCH + 7  # several batches, several writes behind the packing
 
 
 class States:
@@ -77,7 +79,7 @@ async def test_every_session_is_written_once_with_its_state_and_open_flag(
     path = tmp_path / "segment.msgpack"
     owner = new_worker_id()
     exported = await participant_with(states).export(path, None, owner, is_open)
-    assert SESSIONS * STATE_BYTES > 3 * WRITE_BUFFER  # the writes went behind, in chunks
+    assert SESSIONS * STATE_BYTES > 2 * WRITE_AHEAD  # writes went on behind the packing
     assert (exported["sessions"], exported["episodes"], exported["records"]) == (SESSIONS, 0,
                                                                               SESSIONS)
     records = list(read_records(path))
@@ -119,6 +121,24 @@ async def test_an_export_that_fails_midway_removes_its_segment_and_raises(
     path = tmp_path / "segment.msgpack"
     with pytest.raises(RuntimeError, match="cannot export"):
         await participant_with(states).export(path, None, None, is_open)
+    assert not path.exists()
+
+
+async def test_a_disk_that_fails_a_write_behind_the_packing_fails_the_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "segment.msgpack"
+    real = os.write
+
+    def full_disk(fd: int, data: Any) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path) and os.fstat(fd).st_size > 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(TetherError) as caught:
+        await participant_with(States(SESSIONS)).export(path, None, None, is_open)
+    assert caught.value.code == "commit_failed" and "No space left" in caught.value.detail
     assert not path.exists()
 
 
@@ -166,7 +186,7 @@ def test_add_session_writes_the_bytes_of_the_record_map(
 
 
 async def test_an_export_of_big_states_writes_them_out_as_it_goes(tmp_path: Path) -> None:
-    """Packed bytes are written once `WRITE_AHEAD` (4 MiB) wait, not only every
+    """Packed bytes go to the writer once `WRITE_AHEAD` (4 MiB) wait, not only every
     `EXPORT_BATCH` records: 96 states of 1 MiB never sit packed in memory all at once."""
     states = States(0)
     states.states = {f"big{n:03d}": bytes([n]) * (1 << 20) for n in range(96)}

@@ -444,3 +444,29 @@ def test_a_background_flush_that_fails_fails_the_segment(
         write_past_a_sync()
     assert caught.value.code == "commit_failed" and "Input/output error" in caught.value.detail
     assert not path.exists()
+
+
+def test_add_sessions_keeps_the_records_before_a_failing_one(tmp_path: Path) -> None:
+    path = tmp_path / "segment.msgpack"
+    states: dict[str, Any] = {"a": 1, "b": object(), "c": 3}
+    with SegmentWriter(path) as writer:
+        with pytest.raises(TetherError) as caught:
+            writer.add_sessions(list(states), states.__getitem__, lambda _: True, OWNER)
+        assert "session 'b' cannot be packed" in caught.value.detail
+        writer.close()
+    assert [(r["id"], r["state"]) for r in read_records(path)] == [("a", 1)]
+
+
+def test_add_sessions_stops_once_as_many_bytes_as_asked_wait_to_be_written(
+    tmp_path: Path,
+) -> None:
+    """A caller packing big states bounds what sits packed in memory at once."""
+    states = {f"big{n}": bytes([n]) * (1 << 20) for n in range(10)}
+    with SegmentWriter(tmp_path / "segment.msgpack") as writer:
+        added = writer.add_sessions(list(states), states.__getitem__, lambda _: True, None,
+                                    until_full=3 << 20)
+        assert added == 3 and writer.full_bytes >= 3 << 20
+        writer.write(writer.take())
+        rest = list(states)[added:]
+        assert writer.add_sessions(rest, states.__getitem__, lambda _: True, None) == 7
+        writer.close()
