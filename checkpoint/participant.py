@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -189,6 +189,11 @@ class Participant:
         """The episodes not parked at a boundary (each one blocks readiness)."""
         self._settling: set[asyncio.Future[None]] = set()
         """Hand-backs of abandoned claims in flight (kept so they finish)."""
+        self._returning: dict[str, Held] = {}
+        """Claimed records whose request ended while admission was closed. They stay
+        claimed, and this worker's exports carry them, until admission opens again: a
+        hand-back during an open checkpoint could reach the coordinator after it chose
+        what to carry itself, and the record would be in no segment."""
         self._app_busy = Blockers([], 0)
         self._app_scanned = -APP_SCAN_S
         self.held: dict[str, Held] = {}
@@ -227,6 +232,9 @@ class Participant:
 
     def open_admission(self) -> None:
         self._open.set()
+        returning, self._returning = self._returning, {}
+        for held in returning.values():
+            self._settle(self._return(held))
 
     async def wait_open(self) -> None:
         await self._open.wait()
@@ -397,8 +405,22 @@ class Participant:
         held = claiming.result()
         if held is None or self.remote is None:
             return
-        held.claimed_by = None
-        task = asyncio.ensure_future(self.remote.hand_back(held))
+        if self.admission_closed:
+            self._returning[held.episode_id] = held
+        else:
+            self._settle(self._return(held))
+
+    async def hand_back_all(self) -> None:
+        """Hand back what waits for admission to open, and wait for every hand-back in
+        flight: the worker stops (its checkpoint, if open, cannot commit without it)."""
+        returning, self._returning = self._returning, {}
+        for held in returning.values():
+            self._settle(self._return(held))
+        await asyncio.gather(*self._settling, return_exceptions=True)
+
+    def _settle(self, hand_back: Coroutine[Any, Any, None]) -> None:
+        """Run a hand-back nobody awaits to its end (a failure is logged)."""
+        task = asyncio.ensure_future(hand_back)
         self._settling.add(task)
         task.add_done_callback(_settled)
         task.add_done_callback(self._settling.discard)
@@ -419,20 +441,27 @@ class Participant:
 
     async def _hand_back(self, episode: Episode, held: Held) -> None:
         """A claimed request ended early: hold its latest boundary state again, for the
-        same attempt (written to a one-record file when records are kept remotely, so
-        no state crosses the channel)."""
+        same attempt, now or, while admission is closed, once it opens."""
         if episode.boundaries:
             held.path = held.entry = None
             held.state = episode.state
+        if self.admission_closed:
+            self._returning[held.episode_id] = held
+        else:
+            await self._return(held)
+
+    async def _return(self, held: Held) -> None:
+        """Hold `held` again here, or hand it back to the coordinator (its state written
+        to a one-record file first if it is in memory, so no state crosses the channel)."""
         held.claimed_by = None
         if self.remote is None:
             if self.retired.get(held.episode_id, -1) >= held.attempt + 1:
                 self.held.pop(held.episode_id, None)  # retired meanwhile: nobody may claim it
             else:
-                self.held[episode.episode_id] = held
+                self.held[held.episode_id] = held
             return
         if held.path is None and self.handback_dir is not None:
-            name = f"{episode.episode_id.encode().hex()[:64]}-{secrets.token_hex(4)}.msgpack"
+            name = f"{held.episode_id.encode().hex()[:64]}-{secrets.token_hex(4)}.msgpack"
             path = self.handback_dir / name
             record = {"kind": "episode", "episode_id": held.episode_id,
                       "attempt": held.attempt, "state": held.state}
@@ -520,8 +549,14 @@ class Participant:
 
         try:
             with gcpause.paused():  # admission is closed: no collections over the states
+                # What goes in is chosen before anything awaits: an episode that leaves
+                # meanwhile is in `parked` or, handed back, in `_returning`, never both.
                 provider = self.provider
                 sessions = list(provider.sessions()) if provider is not None else []
+                parked = self._parked(scope)
+                held = [h for h in self.held.values() if h.claimed_by is None]
+                held += [*self._returning.values(), *carried]
+                held = [h for h in held if scope is None or h.episode_id in scope]
                 done = 0
                 while done < len(sessions):
                     assert provider is not None
@@ -530,12 +565,10 @@ class Participant:
                         batch, provider.export, is_open, owner, until_full=2 * WRITE_AHEAD
                     )
                     await write_full()
-                for count, episode in enumerate(self._parked(scope), 1):
+                for count, episode in enumerate(parked, 1):
                     writer.add_episode(episode.episode_id, episode.attempt, episode.state)
                     if count % EXPORT_BATCH == 0 or writer.full_bytes >= 2 * WRITE_AHEAD:
                         await write_full()
-                held = [h for h in self.held.values() if h.claimed_by is None]
-                held = [h for h in [*held, *carried] if scope is None or h.episode_id in scope]
                 for start in range(0, len(held), HELD_BATCH):  # their states are on disk
                     group = held[start : start + HELD_BATCH]
                     states = await asyncio.to_thread(_load_all, group)

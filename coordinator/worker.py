@@ -131,6 +131,7 @@ class TetherWorker:
         await send({"type": "lifespan.startup.complete"})
         await receive()
         self._stopping = True
+        await self.participant.hand_back_all()  # while the channel is up
         await self._stop_routing()
         try:
             await app_lifespan.shutdown()

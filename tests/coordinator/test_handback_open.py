@@ -1,0 +1,76 @@
+"""A claimed record whose request ends while a checkpoint is open, at several workers
+(SPEC 5.8): it stays claimed by its worker until admission opens, so the coordinator
+never carries it and its worker's export holds it, once; then it is held again.
+
+Before, the worker handed it back at once: if that reached the coordinator after the
+commit had chosen what to carry itself, and after the worker had listed its parked
+episodes, the record was in no segment. Composed from the real pieces of `tether serve
+--workers 2`, as in `test_claim_race` (whose helpers this reuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from tests.checkpoint.conftest import eventually
+from tests.coordinator.test_claim_race import (
+    BOUND,
+    EPISODE,
+    STEPS,
+    Server,
+    episode_entries,
+    restored_after_attempt_1,
+)
+
+
+async def test_an_episode_ended_during_an_open_checkpoint_is_exported_once_by_its_worker(
+    short_tmp: Path,
+) -> None:
+    root = short_tmp / "ckpt"
+    servers: list[Server] = []
+    pending: list[asyncio.Task[Any]] = []
+    try:
+        second, _ = await restored_after_attempt_1(short_tmp, root, servers)
+        a, b = second.workers
+        pending.append(asyncio.create_task(a.run(2)))
+        await eventually(
+            lambda: any(e.boundaries for e in a.participant.episodes.values()),
+            BOUND,
+            "attempt 2 continued on worker A",
+        )
+        prepared = await b.ok("prepare", checkpoint_id="c2", deadline_s=BOUND)
+        assert prepared["state"] == "prepared", prepared
+        episode = a.participant.episodes[(EPISODE, 2)]
+        assert episode.parked
+        parked_at = episode.state["step"]
+
+        assert episode.task is not None
+        episode.task.cancel()  # the server ends the request (a shutdown, a watchdog)
+        await eventually(
+            lambda: (EPISODE, 2) not in a.participant.episodes, BOUND, "the request ended"
+        )
+        assert second.fleet.held[EPISODE].claimed_by == a.id, "handed back while open"
+
+        manifest = await second.checkpoint("c2", via=b)  # commit, CHECKPOINT.json, resume
+        assert [(worker, e.attempt) for worker, e in episode_entries(root, "c2", manifest)] == [
+            (a.id, 2)
+        ]
+        await eventually(
+            lambda: second.fleet.held[EPISODE].claimed_by is None,
+            BOUND,
+            "handed back once admission opened",
+        )
+        done = (await b.run(2)).json()
+        assert (done["attempt"], done["resumed_from"], done["steps_done"]) == (
+            2,
+            parked_at,
+            STEPS,
+        )
+    finally:
+        for server in servers:
+            await server.stop()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
