@@ -13,6 +13,8 @@ run by the pause's first allocation after it ends, inside a commit, but when the
 own allocations next call for it. What the pause built and kept (an index, installed
 states) goes with the frozen heap straight to the oldest generation: otherwise the first
 young collection after the pause traverses all of it (0.03 s for a 110,000-entry index).
+That includes whatever other tasks allocated during the pause (an export's spans awaits),
+garbage cycles too: a full collection, not a young one, frees those.
 
 Pauses nest and may come from several threads (reads run in `asyncio.to_thread`):
 collection resumes when the last one ends, and only if it was enabled when the first

@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -187,8 +187,11 @@ class Participant:
         self.episodes: dict[tuple[str, int], Episode] = {}
         self._stepping: dict[tuple[str, int], Episode] = {}
         """The episodes not parked at a boundary (each one blocks readiness)."""
-        self._settling: set[asyncio.Future[None]] = set()
-        """Hand-backs of abandoned claims in flight (kept so they finish)."""
+        self._settling: dict[asyncio.Future[None], str] = {}
+        """Hand-backs in flight, with their episode IDs: kept so they finish, and each
+        blocks readiness (until it lands, the record is in no one's export)."""
+        self._stopping = False
+        """The worker stops: hand-backs go at once, admission or not."""
         self._returning: dict[str, Held] = {}
         """Claimed records whose request ended while admission was closed. They stay
         claimed, and this worker's exports carry them, until admission opens again: a
@@ -234,7 +237,7 @@ class Participant:
         self._open.set()
         returning, self._returning = self._returning, {}
         for held in returning.values():
-            self._settle(self._return(held))
+            self._settle(held)
 
     async def wait_open(self) -> None:
         await self._open.wait()
@@ -296,11 +299,17 @@ class Participant:
              for e in itertools.islice(self._stepping.values(), LISTED_BLOCKERS)],
             len(self._stepping),
         )
+        returning = Blockers(
+            [_blocker("episode_running", worker, episode_id, "its record is being handed back")
+             for episode_id in itertools.islice(self._settling.values(), LISTED_BLOCKERS)],
+            len(self._settling),
+        )
         now = time.monotonic()
-        if (requests.total == episodes.total == 0) or now - self._app_scanned >= APP_SCAN_S:
+        waiting = requests.total + episodes.total + returning.total
+        if waiting == 0 or now - self._app_scanned >= APP_SCAN_S:
             self._app_busy = self._scan_app()
             self._app_scanned = now
-        return Blockers.merge([requests, episodes, self._app_busy])
+        return Blockers.merge([requests, episodes, returning, self._app_busy])
 
     def _scan_app(self) -> Blockers:
         if self.provider is None:
@@ -393,7 +402,9 @@ class Participant:
                 if held is not None and finished:
                     await asyncio.shield(self._done(episode_id))  # continued exactly once
                 elif held is not None:
-                    await asyncio.shield(self._hand_back(episode, held))
+                    handing_back = self._hand_back(episode, held)
+                    if handing_back is not None:
+                        await asyncio.shield(handing_back)
             finally:
                 episode.finished.set()  # retire answers once the record is settled
                 self.changed()
@@ -403,27 +414,45 @@ class Participant:
         if claiming.cancelled() or claiming.exception() is not None:
             return
         held = claiming.result()
-        if held is None or self.remote is None:
-            return
-        if self.admission_closed:
+        if held is not None and self.remote is not None:
+            self._release(held)
+
+    async def hand_back_all(self, within_s: float = 10.0) -> None:
+        """The worker stops: hand back what waits for admission to open, and what the
+        requests it just cancelled hand back, and wait until every hand-back is done
+        (within `within_s`). Its checkpoint, if one is open, cannot commit without it."""
+        self._stopping = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                for _ in range(3):  # requests cancelled a moment ago unwind (and hand back)
+                    await asyncio.sleep(0)
+                while self._returning or self._settling:
+                    returning, self._returning = self._returning, {}
+                    for held in returning.values():
+                        self._settle(held)
+                    await asyncio.wait(set(self._settling))
+
+    def _release(self, held: Held) -> asyncio.Future[None] | None:
+        """Hand `held` back now (the task doing it), or keep it claimed until admission
+        opens (None) while a checkpoint is open."""
+        if self.admission_closed and not self._stopping:
             self._returning[held.episode_id] = held
-        else:
-            self._settle(self._return(held))
+            return None
+        return self._settle(held)
 
-    async def hand_back_all(self) -> None:
-        """Hand back what waits for admission to open, and wait for every hand-back in
-        flight: the worker stops (its checkpoint, if open, cannot commit without it)."""
-        returning, self._returning = self._returning, {}
-        for held in returning.values():
-            self._settle(self._return(held))
-        await asyncio.gather(*self._settling, return_exceptions=True)
-
-    def _settle(self, hand_back: Coroutine[Any, Any, None]) -> None:
-        """Run a hand-back nobody awaits to its end (a failure is logged)."""
-        task = asyncio.ensure_future(hand_back)
-        self._settling.add(task)
+    def _settle(self, held: Held) -> asyncio.Future[None]:
+        """Hand `held` back in a task that runs to its end even if nobody awaits it (a
+        failure is logged); readiness waits for it."""
+        task = asyncio.ensure_future(self._return(held))
+        self._settling[task] = held.episode_id
         task.add_done_callback(_settled)
-        task.add_done_callback(self._settling.discard)
+        task.add_done_callback(self._settled_one)
+        self.changed()
+        return task
+
+    def _settled_one(self, task: asyncio.Future[None]) -> None:
+        del self._settling[task]
+        self.changed()
 
     def _claim_held(self, episode_id: str, attempt: int) -> Held | None:
         held = self.held.get(episode_id)
@@ -439,16 +468,15 @@ class Participant:
         elif episode_id in self.held:
             self.held[episode_id].done = True
 
-    async def _hand_back(self, episode: Episode, held: Held) -> None:
+    def _hand_back(self, episode: Episode, held: Held) -> asyncio.Future[None] | None:
         """A claimed request ended early: hold its latest boundary state again, for the
-        same attempt, now or, while admission is closed, once it opens."""
+        same attempt, now or, while admission is closed, once it opens. Decided before
+        anything awaits, so an export that starts meanwhile finds the record in
+        `_returning` if not among the parked episodes."""
         if episode.boundaries:
             held.path = held.entry = None
             held.state = episode.state
-        if self.admission_closed:
-            self._returning[held.episode_id] = held
-        else:
-            await self._return(held)
+        return self._release(held)
 
     async def _return(self, held: Held) -> None:
         """Hold `held` again here, or hand it back to the coordinator (its state written
@@ -466,12 +494,21 @@ class Participant:
             record = {"kind": "episode", "episode_id": held.episode_id,
                       "attempt": held.attempt, "state": held.state}
             held.path, held.entry = await asyncio.to_thread(_write_one, path, record)
+            if self.admission_closed and not self._stopping:
+                # A checkpoint opened while the file was written: the coordinator still
+                # counts the record as this worker's, so this worker's export carries it.
+                self._returning[held.episode_id] = held
+                return
         await self.remote.hand_back(held)
 
     async def retire(self, episode_id: str, attempt: int, within_s: float = 30.0) -> dict[str, Any]:
         """Mark the attempt (and older) retired, stop its running work (its request answers
         409 `stale_attempt`), drop held records it could claim; answers once stopped."""
         self.retired[episode_id] = max(attempt, self.retired.get(episode_id, attempt))
+        if self._settling:  # hand-backs in flight (say, just after a resume) land first
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within_s):
+                    await asyncio.wait(set(self._settling))
         running = [e for (eid, a), e in self.episodes.items() if eid == episode_id and a <= attempt]
         for episode in running:
             episode.retired = True
@@ -578,11 +615,14 @@ class Participant:
                 if writing is not None:
                     await writing
                 info = await asyncio.to_thread(writer.close)  # writes what is left
-        except BaseException:
-            # A write's thread runs on when its task is cancelled; discard waits for it.
-            if writing is not None and not writing.cancel() and not writing.cancelled():
-                writing.exception()  # it had finished: its error is this one's cause
+        except BaseException as error:
+            failed = None
+            if writing is not None:  # its thread would run on if cancelled: let it end
+                await asyncio.wait([writing])
+                failed = None if writing.cancelled() else writing.exception()
             await asyncio.to_thread(writer.discard)
+            if failed is not None and not isinstance(error, asyncio.CancelledError):
+                raise failed from None  # the cause: packing then found the file closed
             raise
         written = writer.sessions
         return {**info, "sessions": written, "episodes": info["records"] - written}

@@ -361,11 +361,9 @@ class SegmentWriter:
                 raise TetherError("commit_failed", f"cannot write {self.path}: {exc}") from exc
             self._written += len(chunk)
         if self._written - self._synced >= SYNC_AHEAD and not self._sync_running():
-            self._synced = self._written
-            self._syncing = threading.Thread(
-                target=self._sync, args=(fd,), name="tether-segment-sync"
-            )
-            self._syncing.start()
+            syncing = threading.Thread(target=self._sync, args=(fd,), name="tether-segment-sync")
+            syncing.start()  # first: a thread that failed to start is never joined
+            self._synced, self._syncing = self._written, syncing
 
     def _sync(self, fd: int) -> None:
         """Flush what is written so far (the background sync's thread)."""

@@ -73,8 +73,12 @@ async def test_a_record_whose_request_ends_during_a_checkpoint_stays_claimed_unt
     gate = asyncio.Event()
     retry = asyncio.create_task(run_attempt_2(participant, gate))
     try:
-        await eventually(lambda: ("e", 2) in participant.episodes, 5, "the retry claimed it")
-        assert participant.episodes[("e", 2)].state == {"step": 4}
+        await eventually(
+            lambda: ("e", 2) in participant.episodes
+            and participant.episodes[("e", 2)].state == {"step": 4},
+            5,
+            "the retry continues from step 4",
+        )
     finally:
         retry.cancel()
         await asyncio.gather(retry, return_exceptions=True)
@@ -86,3 +90,20 @@ async def test_a_stopping_worker_hands_back_what_waits_for_admission_to_open() -
     await participant.hand_back_all()
     assert participant.held["e"].claimed_by is None
     assert participant.held["e"].load() == {"step": 4}
+
+
+async def test_a_worker_that_stops_as_it_cancels_a_parked_request_hands_its_record_back() -> None:
+    """uvicorn cancels what still runs and starts the lifespan shutdown in the same turn:
+    the request hands back only as it unwinds, after the shutdown began."""
+    participant = holding()
+    gate = asyncio.Event()
+    request = asyncio.create_task(run_attempt_2(participant, gate))
+    await eventually(lambda: ("e", 2) in participant.episodes, 5, "attempt 2 claimed")
+    participant.close_admission()
+    gate.set()
+    await eventually(lambda: participant.episodes[("e", 2)].parked, 5, "attempt 2 parked")
+    request.cancel()
+    await participant.hand_back_all()
+    assert participant.held["e"].claimed_by is None
+    assert participant.held["e"].load() == {"step": 4}
+    await asyncio.gather(request, return_exceptions=True)

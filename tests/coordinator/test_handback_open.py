@@ -14,11 +14,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from checkpoint import participant as participant_module
 from tests.checkpoint.conftest import eventually
 from tests.coordinator.test_claim_race import (
     BOUND,
     EPISODE,
+    SHORT_DEADLINE_S,
     STEPS,
+    HeldReads,
     Server,
     episode_entries,
     restored_after_attempt_1,
@@ -69,6 +72,53 @@ async def test_an_episode_ended_during_an_open_checkpoint_is_exported_once_by_it
             STEPS,
         )
     finally:
+        for server in servers:
+            await server.stop()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def test_a_hand_back_in_flight_holds_a_prepare_until_it_lands(short_tmp: Path) -> None:
+    """The request ends with admission open, and its hand-back is still writing the
+    boundary state to a file when a prepare starts: until it lands (or stays, claimed,
+    for this worker's export) the record is in no one's export, so the prepare waits."""
+    writes = HeldReads(participant_module._write_one)
+    asyncio.get_running_loop().set_default_executor(writes)
+    root = short_tmp / "ckpt"
+    servers: list[Server] = []
+    pending: list[asyncio.Task[Any]] = []
+    try:
+        second, _ = await restored_after_attempt_1(short_tmp, root, servers)
+        a, b = second.workers
+        pending.append(asyncio.create_task(a.run(2)))
+        await eventually(
+            lambda: any(e.boundaries for e in a.participant.episodes.values()),
+            BOUND,
+            "attempt 2 continued on worker A",
+        )
+        episode = a.participant.episodes[(EPISODE, 2)]
+        assert episode.task is not None
+        episode.task.cancel()
+        await eventually(writes.requested.is_set, BOUND, "A writes the boundary state")
+        at_cancel = episode.state["step"]
+
+        blocked = await b.ok("prepare", checkpoint_id="c2", deadline_s=SHORT_DEADLINE_S)
+        assert blocked["state"] == "blocked", blocked
+        assert [(x["kind"], x["worker"], x["id"]) for x in blocked["blockers"]] == [
+            ("episode_running", a.id, EPISODE)
+        ], blocked
+
+        writes.release.set()
+        prepared = await b.ok("prepare", checkpoint_id="c2", deadline_s=BOUND)
+        assert prepared["state"] == "prepared", prepared
+        manifest = await second.checkpoint("c2", via=b)
+        [(_, entry)] = episode_entries(root, "c2", manifest)  # exactly once, wherever
+        assert entry.attempt == 2
+        done = (await b.run(2)).json()
+        assert (done["resumed_from"], done["steps_done"]) == (at_cancel, STEPS)
+    finally:
+        writes.release.set()
         for server in servers:
             await server.stop()
         for task in pending:
