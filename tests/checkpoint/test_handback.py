@@ -38,8 +38,8 @@ async def run_attempt_2(participant: Participant, gate: asyncio.Event) -> None:
             await asyncio.sleep(0.01)
 
 
-async def parked_then_ended(participant: Participant) -> None:
-    """Attempt 2 steps to 4, parks as a checkpoint opens, and its request is ended."""
+async def parked_at_step_4(participant: Participant) -> asyncio.Task[None]:
+    """Attempt 2's request, stepped to 4 and parked there as a checkpoint opened."""
     gate = asyncio.Event()
     request = asyncio.create_task(run_attempt_2(participant, gate))
     await eventually(lambda: ("e", 2) in participant.episodes, 5, "attempt 2 claimed")
@@ -47,6 +47,12 @@ async def parked_then_ended(participant: Participant) -> None:
     gate.set()
     await eventually(lambda: participant.episodes[("e", 2)].parked, 5, "attempt 2 parked")
     assert participant.episodes[("e", 2)].state == {"step": 4}
+    return request
+
+
+async def parked_then_ended(participant: Participant) -> None:
+    """Attempt 2 steps to 4, parks as a checkpoint opens, and its request is ended."""
+    request = await parked_at_step_4(participant)
     request.cancel()
     await asyncio.gather(request, return_exceptions=True)
     assert ("e", 2) not in participant.episodes
@@ -96,12 +102,7 @@ async def test_a_worker_that_stops_as_it_cancels_a_parked_request_hands_its_reco
     """uvicorn cancels what still runs and starts the lifespan shutdown in the same turn:
     the request hands back only as it unwinds, after the shutdown began."""
     participant = holding()
-    gate = asyncio.Event()
-    request = asyncio.create_task(run_attempt_2(participant, gate))
-    await eventually(lambda: ("e", 2) in participant.episodes, 5, "attempt 2 claimed")
-    participant.close_admission()
-    gate.set()
-    await eventually(lambda: participant.episodes[("e", 2)].parked, 5, "attempt 2 parked")
+    request = await parked_at_step_4(participant)
     request.cancel()
     await participant.hand_back_all()
     assert participant.held["e"].claimed_by is None

@@ -28,6 +28,22 @@ from tests.coordinator.test_claim_race import (
 )
 
 
+async def attempt_2_stepping_on_a(
+    base: Path, root: Path, servers: list[Server], pending: list[asyncio.Task[Any]]
+) -> Server:
+    """A server restored with attempt 1's record held, and attempt 2 continuing it on
+    worker A past its first boundary (its request added to `pending`)."""
+    second, _ = await restored_after_attempt_1(base, root, servers)
+    a = second.workers[0]
+    pending.append(asyncio.create_task(a.run(2)))
+    await eventually(
+        lambda: any(e.boundaries for e in a.participant.episodes.values()),
+        BOUND,
+        "attempt 2 continued on worker A",
+    )
+    return second
+
+
 async def test_an_episode_ended_during_an_open_checkpoint_is_exported_once_by_its_worker(
     short_tmp: Path,
 ) -> None:
@@ -35,14 +51,8 @@ async def test_an_episode_ended_during_an_open_checkpoint_is_exported_once_by_it
     servers: list[Server] = []
     pending: list[asyncio.Task[Any]] = []
     try:
-        second, _ = await restored_after_attempt_1(short_tmp, root, servers)
+        second = await attempt_2_stepping_on_a(short_tmp, root, servers, pending)
         a, b = second.workers
-        pending.append(asyncio.create_task(a.run(2)))
-        await eventually(
-            lambda: any(e.boundaries for e in a.participant.episodes.values()),
-            BOUND,
-            "attempt 2 continued on worker A",
-        )
         prepared = await b.ok("prepare", checkpoint_id="c2", deadline_s=BOUND)
         assert prepared["state"] == "prepared", prepared
         episode = a.participant.episodes[(EPISODE, 2)]
@@ -89,14 +99,8 @@ async def test_a_hand_back_in_flight_holds_a_prepare_until_it_lands(short_tmp: P
     servers: list[Server] = []
     pending: list[asyncio.Task[Any]] = []
     try:
-        second, _ = await restored_after_attempt_1(short_tmp, root, servers)
+        second = await attempt_2_stepping_on_a(short_tmp, root, servers, pending)
         a, b = second.workers
-        pending.append(asyncio.create_task(a.run(2)))
-        await eventually(
-            lambda: any(e.boundaries for e in a.participant.episodes.values()),
-            BOUND,
-            "attempt 2 continued on worker A",
-        )
         episode = a.participant.episodes[(EPISODE, 2)]
         assert episode.task is not None
         episode.task.cancel()
