@@ -207,6 +207,7 @@ class SegmentWriter:
         self._index: list[tuple[Any, ...]] = []
         self._owners: set[str] = set()
         self._session_ids: set[str] = set()
+        self._episode_ids: set[str] = set()
         self._offset = 0
         self._written = 0
         self._io = threading.RLock()  # a write in flight, and close or discard, in turn
@@ -320,6 +321,7 @@ class SegmentWriter:
         if (
             type(episode_id) is not str
             or not episode_id
+            or episode_id in self._episode_ids
             or type(attempt) is not int
             or attempt < 0
             or self._fd is None
@@ -328,6 +330,7 @@ class SegmentWriter:
         record = {"kind": "episode", "episode_id": episode_id, "attempt": attempt,
                   "state": state}
         packed = self._packed(record)
+        self._episode_ids.add(episode_id)
         self._append(packed, ("episode", episode_id, None, attempt, self._offset, len(packed)))
 
     def add_all(self, records: Iterable[dict[str, Any]]) -> None:
@@ -454,6 +457,8 @@ class SegmentWriter:
         if not _is_episode_id(episode_id):
             raise TetherError("commit_failed", f"episode {episode_id!r}: episode_id is not a "
                               "non-empty string")
+        if episode_id in self._episode_ids:
+            raise TetherError("commit_failed", f"episode {episode_id!r} is exported twice")
         if not _is_attempt(attempt):
             raise TetherError("commit_failed", f"episode {episode_id!r}: attempt {attempt!r} "
                               "is not a non-negative int")

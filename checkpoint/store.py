@@ -303,12 +303,12 @@ def _count_records(
     """Every segment's index, checked against the manifest's sizes and counts.
 
     Raises `corrupt_checkpoint` on a missing file, a size or count that differs, a
-    malformed index, or a session ID held twice. Without `read_indexes`, checks sizes
+    malformed index, or a session or episode ID held twice. Without `read_indexes`, checks sizes
     only and returns no indexes and zero counts.
     """
     indexes: list[list[IndexEntry]] = []
     counts = RecordCounts(sessions=0, episodes=0)
-    seen: dict[str, str] = {}
+    seen: dict[str | tuple[str, str], str] = {}  # session IDs, ("episode", ID)s
     for segment in segments:
         path = directory / segment["file"]
         try:
@@ -341,6 +341,13 @@ def _count_records(
                 seen[entry.id] = segment["file"]
             else:
                 counts["episodes"] += 1
+                if ("episode", entry.id) in seen:
+                    _fail(
+                        "corrupt_checkpoint",
+                        f"episode {entry.id!r} is held twice: in "
+                        f"{seen['episode', entry.id]} and in {segment['file']}",
+                    )
+                seen["episode", entry.id] = segment["file"]
         indexes.append(entries)
     return indexes, counts
 

@@ -365,10 +365,12 @@ def _owner(owner: str | None) -> WorkerId | None:
 
 def _tally(directory: Path, segments: list[ManifestSegment]) -> tuple[RecordCounts, list[str]]:
     """The records the workers' segments hold by kind, read from their indexes (so the
-    manifest's counts are the coordinator's own), and every session ID held twice."""
+    manifest's counts are the coordinator's own), and every session ID held twice; an
+    episode exported twice is `commit_failed`."""
     counts: RecordCounts = {"sessions": 0, "episodes": 0}
     seen: set[str] = set()
     twice: list[str] = []
+    episodes: dict[str, str] = {}
     for segment in segments:
         entries = read_index(directory / segment["file"])
         if len(entries) != segment["records"]:
@@ -382,6 +384,10 @@ def _tally(directory: Path, segments: list[ManifestSegment]) -> tuple[RecordCoun
                 seen.add(entry.id)
             else:
                 counts["episodes"] += 1
+                if entry.id in episodes:  # tether's own bug, not the app's: fail the commit
+                    raise TetherError("commit_failed", f"episode {entry.id!r} was exported "
+                                      f"twice, by {episodes[entry.id]} and {segment['worker']}")
+                episodes[entry.id] = segment["worker"]
     return counts, twice
 
 

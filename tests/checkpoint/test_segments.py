@@ -470,3 +470,14 @@ def test_add_sessions_stops_once_as_many_bytes_as_asked_wait_to_be_written(
         rest = list(states)[added:]
         assert writer.add_sessions(rest, states.__getitem__, lambda _: True, None) == 7
         writer.close()
+
+
+def test_an_episode_added_twice_is_refused_and_the_segment_kept(tmp_path: Path) -> None:
+    path = tmp_path / "segment.msgpack"
+    with SegmentWriter(path) as writer:
+        writer.add_episode("e", 2, {"step": 1})
+        with pytest.raises(TetherError) as caught:
+            writer.add_episode("e", 2, {"step": 1})
+        assert caught.value.code == "commit_failed" and "exported twice" in caught.value.detail
+        writer.close()
+    assert [e.id for e in read_index(path)] == ["e"]

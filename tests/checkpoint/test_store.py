@@ -529,6 +529,14 @@ def test_a_session_id_in_two_segments_is_corrupt(tmp_path: Path) -> None:
     assert "'same'" in detail and W1 in detail and W2 in detail
 
 
+def test_an_episode_in_two_segments_is_corrupt(tmp_path: Path) -> None:
+    segments = {W1: [episode("same", 2)], W2: [episode("same", 2)]}
+    commit(tmp_path, "c1", segments=segments, check_indexes=False)
+    complete(tmp_path, "c1")
+    detail = error_of("corrupt_checkpoint", load_checkpoint, tmp_path, "c1", "srv")
+    assert "episode 'same' is held twice" in detail and W1 in detail and W2 in detail
+
+
 def test_an_unknown_checkpoint_json_format_is_corrupt(tmp_path: Path) -> None:
     commit(tmp_path, "c1")
     complete(tmp_path, "c1")
