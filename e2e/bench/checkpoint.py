@@ -72,11 +72,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -84,6 +84,7 @@ from checkpoint.store import read_manifest_digest, write_checkpoint_json
 from e2e.bench import machine
 from e2e.bench.state_app import episode_record, session_record
 
+T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "e2e" / "bench" / "results" / "checkpoint.json"
 """At one worker; at N, `checkpoint-wN.json` beside it."""
@@ -384,6 +385,26 @@ def recycle_page_cache(work: Path, size: int) -> None:
     scratch.unlink()
 
 
+def beside_baseline(
+    work: Path, rep: int, scale: Scale, records: list[dict[str, Any]], commit: Callable[[], T]
+) -> tuple[T, dict[str, Any]]:
+    """`commit()` and the baseline commit back to back, their order alternating by
+    repetition, each right after `recycle_page_cache`: what `commit` returned, and the
+    baseline's measures with its bytes."""
+    done: T | None = None
+    baseline: dict[str, Any] = {}
+    for step in ("baseline", "tether") if rep % 2 == 0 else ("tether", "baseline"):
+        recycle_page_cache(work, scale.segment_bytes)
+        if step == "tether":
+            done = commit()
+        else:
+            with measure(os.getpid()) as measured:
+                size = baseline_commit(records, work / f"baseline-{rep}.msgpack")
+            baseline = {**measured.__dict__, "bytes": size}
+    assert done is not None
+    return done, baseline
+
+
 def baseline_commit(records: list[dict[str, Any]], path: Path) -> int:
     """Pack every record with one Packer into one buffered file, then fsync it; its size."""
     packer = msgpack.Packer(use_bin_type=True)
@@ -553,16 +574,13 @@ def checkpoint_round(
             answered = time.monotonic()
         if prepared["state"] != "prepared":
             raise RuntimeError(f"the prepare answered {prepared}")
-        baseline: dict[str, Any] = {}
-        for step in ("baseline", "tether") if rep % 2 == 0 else ("tether", "baseline"):
-            recycle_page_cache(work, scale.segment_bytes)
-            if step == "tether":
-                with sampled(pid, work / f"commit-{rep}.txt", profile), measure(pid) as commit:
-                    manifest, _ = control.call("commit", checkpoint_id=checkpoint_id)
-            else:
-                with measure(os.getpid()) as done:
-                    size = baseline_commit(records, work / f"baseline-{rep}.msgpack")
-                baseline = {**done.__dict__, "bytes": size}
+
+        def commit_call() -> tuple[Any, Measured]:
+            with sampled(pid, work / f"commit-{rep}.txt", profile), measure(pid) as commit:
+                manifest, _ = control.call("commit", checkpoint_id=checkpoint_id)
+            return manifest, commit
+
+        (manifest, commit), baseline = beside_baseline(work, rep, scale, records, commit_call)
         publish(root, checkpoint_id, server)
         _, resume_s = control.call("resume", checkpoint_id=checkpoint_id)
         parks, _ = control.ok("POST", "/bench/parks")

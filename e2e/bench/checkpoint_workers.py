@@ -58,11 +58,12 @@ from e2e.bench.checkpoint import (
     RESULTS,
     TARGETS,
     WRITE_BUFFER,
+    Measured,
     Scale,
     Server,
     _busy,
-    baseline_commit,
     baseline_restore_fresh,
+    beside_baseline,
     build_records,
     command_line,
     cpu_seconds,
@@ -70,7 +71,6 @@ from e2e.bench.checkpoint import (
     idle_pairs,
     measure,
     publish,
-    recycle_page_cache,
     start_server,
 )
 from e2e.bench.state_app import session_id, summed_digest
@@ -177,21 +177,18 @@ def checkpoint_round(
         if prepared["state"] != "prepared":
             raise RuntimeError(f"the prepare answered {prepared}")
         channel["after_prepare"] = control.call("status")[0]["channel_bytes"]
-        baseline: dict[str, Any] = {}
-        coordinator_cpu = 0.0
-        for step in ("baseline", "tether") if rep % 2 == 0 else ("tether", "baseline"):
-            recycle_page_cache(work, scale.segment_bytes)
-            if step == "tether":
-                channel["before_commit"] = control.call("status")[0]["channel_bytes"]
-                main_cpu = cpu_seconds(server.process.pid)
-                with measure(server.worker_pids) as commit:
-                    manifest, _ = control.call("commit", checkpoint_id=checkpoint_id)
-                coordinator_cpu = cpu_seconds(server.process.pid) - main_cpu
-                channel["after_commit"] = control.call("status")[0]["channel_bytes"]
-            else:
-                with measure(os.getpid()) as done:
-                    size = baseline_commit(records, work / f"baseline-{rep}.msgpack")
-                baseline = {**done.__dict__, "bytes": size}
+
+        def commit_call() -> tuple[Any, Measured, float]:
+            channel["before_commit"] = control.call("status")[0]["channel_bytes"]
+            main_cpu = cpu_seconds(server.process.pid)
+            with measure(server.worker_pids) as commit:
+                manifest, _ = control.call("commit", checkpoint_id=checkpoint_id)
+            channel["after_commit"] = control.call("status")[0]["channel_bytes"]
+            return manifest, commit, cpu_seconds(server.process.pid) - main_cpu
+
+        (manifest, commit, coordinator_cpu), baseline = beside_baseline(
+            work, rep, scale, records, commit_call
+        )
         publish(root, checkpoint_id, server)
         _, resume_s = control.call("resume", checkpoint_id=checkpoint_id)
         channel["after_resume"] = control.call("status")[0]["channel_bytes"]

@@ -22,11 +22,12 @@ claim with one close, a granted claim's answer always reaches the worker first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,22 @@ class Server:
         await self.checkpointer.stop()
 
 
+@contextlib.asynccontextmanager
+async def started() -> AsyncIterator[tuple[list[Server], list[asyncio.Task[Any]]]]:
+    """The servers and requests a test starts (it appends them), stopped and cancelled
+    however the test ends."""
+    servers: list[Server] = []
+    pending: list[asyncio.Task[Any]] = []
+    try:
+        yield servers, pending
+    finally:
+        for server in servers:
+            await server.stop()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
 async def start_server(
     base: Path, root: Path, label: str, app: str = "examples.episodes:app"
 ) -> Server:
@@ -295,82 +312,80 @@ async def test_an_episode_claimed_as_a_prepare_starts_is_waited_for_and_exported
     loads = HeldReads(Held.load)  # the runner shuts the loop's default executor down
     asyncio.get_running_loop().set_default_executor(loads)
     root = short_tmp / "ckpt"
-    servers: list[Server] = []
-    pending: list[asyncio.Task[Any]] = []
-    try:
-        second, parked_at = await restored_after_attempt_1(short_tmp, root, servers)
-        a, b = second.workers
+    async with started() as (servers, pending):
+        try:
+            second, parked_at = await restored_after_attempt_1(short_tmp, root, servers)
+            a, b = second.workers
 
-        # Attempt 2 claims it on worker A; the prepare of c2 starts as the claim is answered.
-        prepares: list[asyncio.Task[Any]] = []
+            # Attempt 2 claims it on worker A; the prepare of c2 starts as the claim is answered.
+            prepares: list[asyncio.Task[Any]] = []
 
-        def prepare_now() -> None:
-            call = {"checkpoint_id": "c2", "deadline_s": SHORT_DEADLINE_S}
-            prepares.append(asyncio.create_task(second.checkpointer.call("prepare", call)))
+            def prepare_now() -> None:
+                call = {"checkpoint_id": "c2", "deadline_s": SHORT_DEADLINE_S}
+                prepares.append(asyncio.create_task(second.checkpointer.call("prepare", call)))
 
-        second.on_claim_answered = prepare_now
-        running = asyncio.create_task(a.run(2))
-        pending.append(running)
-        await eventually(lambda: prepares, BOUND, "the coordinator answered the claim")
-        pending.extend(prepares)
-        assert second.fleet.held[EPISODE].claimed_by == a.id
-        await eventually(loads.requested.is_set, BOUND, "worker A reads the claimed record")
-        await eventually(
-            lambda: a.participant.admission_closed, BOUND, "the close reached worker A"
-        )
-        # The premise: the close reached A while its request had the claim's answer and
-        # was still reading the record, so the app has not run a step of attempt 2.
-        assert not any(e.boundaries for e in a.participant.episodes.values())
+            second.on_claim_answered = prepare_now
+            running = asyncio.create_task(a.run(2))
+            pending.append(running)
+            await eventually(lambda: prepares, BOUND, "the coordinator answered the claim")
+            pending.extend(prepares)
+            assert second.fleet.held[EPISODE].claimed_by == a.id
+            await eventually(loads.requested.is_set, BOUND, "worker A reads the claimed record")
+            await eventually(
+                lambda: a.participant.admission_closed, BOUND, "the close reached worker A"
+            )
+            # The premise: the close reached A while its request had the claim's answer and
+            # was still reading the record, so the app has not run a step of attempt 2.
+            assert not any(e.boundaries for e in a.participant.episodes.values())
 
-        first_answer = await prepares[0]
-        episode = a.participant.episodes.get((EPISODE, 2))
-        now = "absent" if episode is None else "parked" if episode.parked else "stepping"
-        assert first_answer["state"] == "blocked", (
-            "prepare answered prepared without waiting for the episode worker A claimed: "
-            f"{first_answer}; A's attempt 2 is {now} (the record was still being read)"
-        )
-        assert [(x["kind"], x["worker"], x["id"]) for x in first_answer["blockers"]] == [
-            ("episode_running", a.id, EPISODE)
-        ], first_answer
+            first_answer = await prepares[0]
+            episode = a.participant.episodes.get((EPISODE, 2))
+            now = "absent" if episode is None else "parked" if episode.parked else "stepping"
+            assert first_answer["state"] == "blocked", (
+                "prepare answered prepared without waiting for the episode worker A claimed: "
+                f"{first_answer}; A's attempt 2 is {now} (the record was still being read)"
+            )
+            assert [(x["kind"], x["worker"], x["id"]) for x in first_answer["blockers"]] == [
+                ("episode_running", a.id, EPISODE)
+            ], first_answer
 
-        # Once the record is read, the request runs one step and parks; only then prepared.
-        loads.release.set()
-        prepared = await b.ok("prepare", checkpoint_id="c2", deadline_s=BOUND)
-        assert prepared["state"] == "prepared", prepared
-        episode = a.participant.episodes[(EPISODE, 2)]
-        assert episode.parked
-        assert episode.state["step"] == parked_at + 1
-        manifest = await second.checkpoint("c2", via=b)
+            # Once the record is read, the request runs one step and parks; only then prepared.
+            loads.release.set()
+            prepared = await b.ok("prepare", checkpoint_id="c2", deadline_s=BOUND)
+            assert prepared["state"] == "prepared", prepared
+            episode = a.participant.episodes[(EPISODE, 2)]
+            assert episode.parked
+            assert episode.state["step"] == parked_at + 1
+            manifest = await second.checkpoint("c2", via=b)
 
-        # Exported once, by the worker running it; the coordinator carried nothing.
-        assert [(worker, e.attempt) for worker, e in episode_entries(root, "c2", manifest)] == [
-            (a.id, 2)
-        ]
-        assert manifest["records"]["episodes"] == 1
-        done = (await running).json()
-        assert (done["attempt"], done["resumed_from"], done["steps_done"]) == (2, parked_at, STEPS)
-        await second.stop()
+            # Exported once, by the worker running it; the coordinator carried nothing.
+            assert [(worker, e.attempt) for worker, e in episode_entries(root, "c2", manifest)] == [
+                (a.id, 2)
+            ]
+            assert manifest["records"]["episodes"] == 1
+            done = (await running).json()
+            assert (done["attempt"], done["resumed_from"], done["steps_done"]) == (
+                2,
+                parked_at,
+                STEPS,
+            )
+            await second.stop()
 
-        # Restoring c2 expects attempt 3, which continues where c2 parked attempt 2.
-        third = await start_server(short_tmp, root, "r3")
-        servers.append(third)
-        a, b = third.workers
-        restored = await a.ok("restore", checkpoint_id="c2", deadline_s=BOUND)
-        assert restored["held_episodes"] == [{"episode_id": EPISODE, "attempt_to_send": 3}]
-        await a.ok("resume", checkpoint_id="c2")
-        done = (await b.run(3)).json()
-        assert (done["attempt"], done["resumed_from"], done["steps_done"]) == (
-            3,
-            parked_at + 1,
-            STEPS,
-        )
-    finally:
-        loads.release.set()
-        for server in servers:
-            await server.stop()
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+            # Restoring c2 expects attempt 3, which continues where c2 parked attempt 2.
+            third = await start_server(short_tmp, root, "r3")
+            servers.append(third)
+            a, b = third.workers
+            restored = await a.ok("restore", checkpoint_id="c2", deadline_s=BOUND)
+            assert restored["held_episodes"] == [{"episode_id": EPISODE, "attempt_to_send": 3}]
+            await a.ok("resume", checkpoint_id="c2")
+            done = (await b.run(3)).json()
+            assert (done["attempt"], done["resumed_from"], done["steps_done"]) == (
+                3,
+                parked_at + 1,
+                STEPS,
+            )
+        finally:
+            loads.release.set()
 
 
 async def test_a_claim_answer_reaches_its_worker_before_a_close_that_follows_it(
@@ -440,9 +455,7 @@ async def test_a_request_cancelled_while_its_claim_is_answered_hands_the_record_
     timeout) before the answer reaches it. The record must be held again for attempt 2,
     not stay claimed by a live worker that runs nothing (SPEC 5.8)."""
     root = short_tmp / "ckpt"
-    servers: list[Server] = []
-    pending: list[asyncio.Task[Any]] = []
-    try:
+    async with started() as (servers, pending):
         second, _ = await restored_after_attempt_1(short_tmp, root, servers)
         a, b = second.workers
 
@@ -466,9 +479,3 @@ async def test_a_request_cancelled_while_its_claim_is_answered_hands_the_record_
         )
         done = (await b.run(2)).json()
         assert (done["attempt"], done["steps_done"]) == (2, STEPS)
-    finally:
-        for server in servers:
-            await server.stop()
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)

@@ -25,6 +25,7 @@ from tests.coordinator.test_claim_race import (
     Server,
     episode_entries,
     restored_after_attempt_1,
+    started,
 )
 
 
@@ -48,9 +49,7 @@ async def test_an_episode_ended_during_an_open_checkpoint_is_exported_once_by_it
     short_tmp: Path,
 ) -> None:
     root = short_tmp / "ckpt"
-    servers: list[Server] = []
-    pending: list[asyncio.Task[Any]] = []
-    try:
+    async with started() as (servers, pending):
         second = await attempt_2_stepping_on_a(short_tmp, root, servers, pending)
         a, b = second.workers
         prepared = await b.ok("prepare", checkpoint_id="c2", deadline_s=BOUND)
@@ -81,12 +80,6 @@ async def test_an_episode_ended_during_an_open_checkpoint_is_exported_once_by_it
             parked_at,
             STEPS,
         )
-    finally:
-        for server in servers:
-            await server.stop()
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def test_a_hand_back_in_flight_holds_a_prepare_until_it_lands(short_tmp: Path) -> None:
@@ -96,35 +89,29 @@ async def test_a_hand_back_in_flight_holds_a_prepare_until_it_lands(short_tmp: P
     writes = HeldReads(participant_module._write_one)
     asyncio.get_running_loop().set_default_executor(writes)
     root = short_tmp / "ckpt"
-    servers: list[Server] = []
-    pending: list[asyncio.Task[Any]] = []
-    try:
-        second = await attempt_2_stepping_on_a(short_tmp, root, servers, pending)
-        a, b = second.workers
-        episode = a.participant.episodes[(EPISODE, 2)]
-        assert episode.task is not None
-        episode.task.cancel()
-        await eventually(writes.requested.is_set, BOUND, "A writes the boundary state")
-        at_cancel = episode.state["step"]
+    async with started() as (servers, pending):
+        try:
+            second = await attempt_2_stepping_on_a(short_tmp, root, servers, pending)
+            a, b = second.workers
+            episode = a.participant.episodes[(EPISODE, 2)]
+            assert episode.task is not None
+            episode.task.cancel()
+            await eventually(writes.requested.is_set, BOUND, "A writes the boundary state")
+            at_cancel = episode.state["step"]
 
-        blocked = await b.ok("prepare", checkpoint_id="c2", deadline_s=SHORT_DEADLINE_S)
-        assert blocked["state"] == "blocked", blocked
-        assert [(x["kind"], x["worker"], x["id"]) for x in blocked["blockers"]] == [
-            ("episode_running", a.id, EPISODE)
-        ], blocked
+            blocked = await b.ok("prepare", checkpoint_id="c2", deadline_s=SHORT_DEADLINE_S)
+            assert blocked["state"] == "blocked", blocked
+            assert [(x["kind"], x["worker"], x["id"]) for x in blocked["blockers"]] == [
+                ("episode_running", a.id, EPISODE)
+            ], blocked
 
-        writes.release.set()
-        prepared = await b.ok("prepare", checkpoint_id="c2", deadline_s=BOUND)
-        assert prepared["state"] == "prepared", prepared
-        manifest = await second.checkpoint("c2", via=b)
-        [(_, entry)] = episode_entries(root, "c2", manifest)  # exactly once, wherever
-        assert entry.attempt == 2
-        done = (await b.run(2)).json()
-        assert (done["resumed_from"], done["steps_done"]) == (at_cancel, STEPS)
-    finally:
-        writes.release.set()
-        for server in servers:
-            await server.stop()
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+            writes.release.set()
+            prepared = await b.ok("prepare", checkpoint_id="c2", deadline_s=BOUND)
+            assert prepared["state"] == "prepared", prepared
+            manifest = await second.checkpoint("c2", via=b)
+            [(_, entry)] = episode_entries(root, "c2", manifest)  # exactly once, wherever
+            assert entry.attempt == 2
+            done = (await b.run(2)).json()
+            assert (done["resumed_from"], done["steps_done"]) == (at_cancel, STEPS)
+        finally:
+            writes.release.set()
