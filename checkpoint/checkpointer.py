@@ -16,11 +16,11 @@ from typing import Any
 
 import structlog
 
-from checkpoint import phases as ph
-from checkpoint.fleet import Fleet
-from checkpoint.participant import Blockers
-from checkpoint.store import begin_commit, load_checkpoint, sweep_temp
-from routing.errors import TetherError
+from tether.checkpoint import phases as ph
+from tether.checkpoint.fleet import Fleet
+from tether.checkpoint.participant import Blockers
+from tether.checkpoint.store import begin_commit, load_checkpoint, sweep_temp
+from tether.routing.errors import TetherError
 
 log = structlog.get_logger("tether.checkpoint")
 

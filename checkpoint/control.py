@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.types import Receive, Scope, Send
 
-from checkpoint.store import validate_checkpoint_id
-from routing.errors import TetherError, send_error, send_json
+from tether.checkpoint.store import validate_checkpoint_id
+from tether.routing.errors import TetherError, send_error, send_json
 
 Backend = Callable[[str, dict[str, Any]], Awaitable[Any]]
 

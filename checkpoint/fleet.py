@@ -11,9 +11,9 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from checkpoint.participant import Blockers, Participant
-from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
-from routing.errors import TetherError
+from tether.checkpoint.participant import Blockers, Participant
+from tether.checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
+from tether.routing.errors import TetherError
 
 
 class Fleet(Protocol):

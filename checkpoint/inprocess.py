@@ -19,14 +19,14 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from checkpoint.checkpointer import Checkpointer
-from checkpoint.control import ControlApp
-from checkpoint.fleet import LocalFleet
-from checkpoint.participant import Participant, declared_participant
-from routing.errors import TetherError, send_error
-from routing.kinds import declared_kind
-from routing.router import Router
-from routing.types import new_worker_id
+from tether.checkpoint.checkpointer import Checkpointer
+from tether.checkpoint.control import ControlApp
+from tether.checkpoint.fleet import LocalFleet
+from tether.checkpoint.participant import Participant, declared_participant
+from tether.routing.errors import TetherError, send_error
+from tether.routing.kinds import declared_kind
+from tether.routing.router import Router
+from tether.routing.types import new_worker_id
 
 TOKEN_ENV = "TETHER_CONTROL_TOKEN"
 ROOT_ENV = "TETHER_CHECKPOINT_ROOT"

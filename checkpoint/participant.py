@@ -21,11 +21,17 @@ from typing import Any, NamedTuple, Protocol
 
 import structlog
 
-from checkpoint import gcpause
-from checkpoint.phases import MAX_BLOCKERS
-from checkpoint.segments import IndexEntry, SegmentInfo, SegmentWriter, read_index, read_records
-from routing.errors import TetherError
-from routing.types import SessionId
+from tether.checkpoint import gcpause
+from tether.checkpoint.phases import MAX_BLOCKERS
+from tether.checkpoint.segments import (
+    IndexEntry,
+    SegmentInfo,
+    SegmentWriter,
+    read_index,
+    read_records,
+)
+from tether.routing.errors import TetherError
+from tether.routing.types import SessionId
 
 log = structlog.get_logger("tether.participant")
 

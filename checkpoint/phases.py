@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, TypeAlias
 
-from routing.errors import ErrorCode, TetherError
+from tether.routing.errors import ErrorCode, TetherError
 
 Phase = Literal["open", "preparing", "prepared", "committed", "restored"]
 Route = Literal["prepare", "commit", "resume", "renew", "restore", "abort_restore", "retire"]

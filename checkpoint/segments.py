@@ -36,9 +36,9 @@ from typing import Any, Literal, NamedTuple, NoReturn, Protocol, TypedDict
 import msgpack
 import xxhash
 
-from checkpoint import gcpause
-from routing.errors import TetherError
-from routing.types import worker_id_or_none
+from tether.checkpoint import gcpause
+from tether.routing.errors import TetherError
+from tether.routing.types import worker_id_or_none
 
 __all__ = [
     "DIGESTS",

@@ -50,7 +50,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, TypedDict
 
-from checkpoint.segments import (
+from tether.checkpoint.segments import (
     DIGEST_ALGORITHM,
     DIGEST_HEX_LENGTH,
     IndexEntry,
@@ -58,8 +58,8 @@ from checkpoint.segments import (
     read_index,
     verify,
 )
-from routing.errors import ErrorCode, TetherError
-from routing.types import worker_id_or_none
+from tether.routing.errors import ErrorCode, TetherError
+from tether.routing.types import worker_id_or_none
 
 __all__ = [
     "CHECKPOINT_NAME",

@@ -1,20 +1,22 @@
 """The main process: the coordinator, its channel, the launcher, the controller and the CLI."""
 
-from coordinator.controller import (
+from tether.coordinator.controller import (
     Blocked,
     ControlError,
     Controller,
     ControllerError,
+    RestoreFailed,
     Server,
     ServerClient,
 )
-from coordinator.launcher import ServeOptions, serve
+from tether.coordinator.launcher import ServeOptions, serve
 
 __all__ = [
     "Blocked",
     "ControlError",
     "Controller",
     "ControllerError",
+    "RestoreFailed",
     "ServeOptions",
     "Server",
     "ServerClient",

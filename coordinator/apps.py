@@ -7,8 +7,8 @@ import os
 import sys
 from typing import Any, Literal
 
-from checkpoint.inprocess import InProcess
-from routing.kinds import SessionKind, cookie_kind, declared_kind, mcp_kind
+from tether.checkpoint.inprocess import InProcess
+from tether.routing.kinds import SessionKind, cookie_kind, declared_kind, mcp_kind
 
 Preset = Literal["cookie", "mcp"]
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import structlog
 
-from coordinator.framing import (
+from tether.coordinator.framing import (
     MAX_FRAME,
     ErrorReply,
     FrameDecoder,
@@ -52,7 +52,7 @@ from coordinator.framing import (
     encode_frame,
     parse_message,
 )
-from routing.errors import TetherError
+from tether.routing.errors import TetherError
 
 __all__ = [
     "INTERNAL_ERROR",

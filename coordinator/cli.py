@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from coordinator.ctl import add_ctl_parser, run_ctl
-from coordinator.launcher import ServeOptions, serve
+from tether.coordinator.ctl import add_ctl_parser, run_ctl
+from tether.coordinator.launcher import ServeOptions, serve
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "ctl":
         sys.exit(run_ctl(args))
     if args.command == "demo":
-        from coordinator.demo import main as demo
+        from tether.coordinator.demo import main as demo
 
         sys.exit(demo([f"--sessions={args.sessions}"]))
     if args.command == "serve":

@@ -47,7 +47,7 @@ from typing import Any
 
 import aiohttp
 
-from checkpoint.store import (
+from tether.checkpoint.store import (
     CHECKPOINT_NAME,
     ParticipantEntry,
     read_manifest_digest,
@@ -56,7 +56,7 @@ from checkpoint.store import (
     validate_participant,
     write_checkpoint_json,
 )
-from routing.errors import ERRORS, TetherError
+from tether.routing.errors import ERRORS, TetherError
 
 __all__ = [
     "CONTROLLER_ERRORS",

@@ -13,11 +13,11 @@ from typing import Any
 
 import structlog
 
-from checkpoint.checkpointer import Checkpointer
-from coordinator.channel import Channel, ChannelLost, Handler
-from coordinator.fleet import ChannelFleet
-from routing.errors import TetherError
-from routing.types import WorkerId, worker_id_or_none
+from tether.checkpoint.checkpointer import Checkpointer
+from tether.coordinator.channel import Channel, ChannelLost, Handler
+from tether.coordinator.fleet import ChannelFleet
+from tether.routing.errors import TetherError
+from tether.routing.types import WorkerId, worker_id_or_none
 
 log = structlog.get_logger("tether.coordinator")
 

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint.store import list_checkpoints, validate_checkpoint_id
-from coordinator.controller import (
+from tether.checkpoint.store import list_checkpoints, validate_checkpoint_id
+from tether.coordinator.controller import (
     Blocked,
     Controller,
     RestoreFailed,
     Server,
 )
-from routing.errors import TetherError
+from tether.routing.errors import TetherError
 
 __all__ = [
     "EXIT_BLOCKED",

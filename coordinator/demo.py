@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.controller import Controller, Server
+from tether.coordinator.controller import Controller, Server
 
 STEPS = 5
 CONCURRENCY = 200
@@ -184,16 +184,16 @@ async def _checkpoint(url: str, token: str, root: str, name: str) -> None:
 async def _counter_story(sessions: int, env: dict[str, str], root: str) -> list[Row]:
     rows: list[Row] = []
     token = env["TETHER_CONTROL_TOKEN"]
-    python = [sys.executable, "-c", "from coordinator.cli import main; main()"]
+    python = [sys.executable, "-c", "from tether.coordinator.cli import main; main()"]
 
     def serve(workers: int, port: int, restore: bool) -> list[str]:
-        command = [*python, "serve", "examples.counter:app", "--workers", str(workers),
+        command = [*python, "serve", "tether.examples.counter:app", "--workers", str(workers),
                    "--port", str(port), "--name", "counter", "--checkpoint-root", root]
         return command + (["--restore", "latest"] if restore else [])
 
     port = _free_port()
     plain = await Process.start(
-        [sys.executable, "-m", "uvicorn", "examples.counter:app", "--workers", "4",
+        [sys.executable, "-m", "uvicorn", "tether.examples.counter:app", "--workers", "4",
          "--port", str(port), "--log-level", "warning", "--no-access-log"],
         port, {k: v for k, v in env.items() if k != "TETHER_CONTROL_TOKEN"},
     )
@@ -231,11 +231,11 @@ async def _counter_story(sessions: int, env: dict[str, str], root: str) -> list[
 
 async def _episode_story(env: dict[str, str], root: str) -> Row:
     token = env["TETHER_CONTROL_TOKEN"]
-    python = [sys.executable, "-c", "from coordinator.cli import main; main()"]
+    python = [sys.executable, "-c", "from tether.coordinator.cli import main; main()"]
     port = _free_port()
 
     def serve(workers: int, restore: bool) -> list[str]:
-        command = [*python, "serve", "examples.episodes:app", "--workers", str(workers),
+        command = [*python, "serve", "tether.examples.episodes:app", "--workers", str(workers),
                    "--port", str(port), "--name", "episodes", "--checkpoint-root", root]
         return command + (["--restore", "latest"] if restore else [])
 

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import structlog
 
-from checkpoint.participant import Blockers, Held, check_claim
-from checkpoint.segments import IndexEntry, read_index
-from checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
-from coordinator.channel import ChannelLost
-from coordinator.placement import place
-from routing.errors import TetherError
-from routing.types import SessionId, WorkerId
+from tether.checkpoint.participant import Blockers, Held, check_claim
+from tether.checkpoint.segments import IndexEntry, read_index
+from tether.checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
+from tether.coordinator.channel import ChannelLost
+from tether.coordinator.placement import place
+from tether.routing.errors import TetherError
+from tether.routing.types import SessionId, WorkerId
 
 if TYPE_CHECKING:
-    from coordinator.coordinator import Coordinator
+    from tether.coordinator.coordinator import Coordinator
 
 log = structlog.get_logger("tether.fleet")
 

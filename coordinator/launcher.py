@@ -11,13 +11,13 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from checkpoint.checkpointer import Checkpointer
-from checkpoint.store import resolve_latest, validate_checkpoint_id, validate_participant
-from coordinator.apps import AppError, Preset, import_app, resolve_kind
-from coordinator.channel import ChannelServer
-from coordinator.coordinator import Coordinator
-from coordinator.fleet import ChannelFleet
-from coordinator.runtime import (
+from tether.checkpoint.checkpointer import Checkpointer
+from tether.checkpoint.store import resolve_latest, validate_checkpoint_id, validate_participant
+from tether.coordinator.apps import AppError, Preset, import_app, resolve_kind
+from tether.coordinator.channel import ChannelServer
+from tether.coordinator.coordinator import Coordinator
+from tether.coordinator.fleet import ChannelFleet
+from tether.coordinator.runtime import (
     COORDINATOR_SOCKET,
     RuntimeDirError,
     make_runtime_dir,
@@ -25,10 +25,10 @@ from coordinator.runtime import (
     remove_runtime_dir,
     resolve_token,
 )
-from coordinator.supervisor import Supervisor
-from coordinator.worker import CONFIG_ENV, WorkerSettings
-from routing.errors import TetherError
-from routing.logs import LogFormat, configure_logging
+from tether.coordinator.supervisor import Supervisor
+from tether.coordinator.worker import CONFIG_ENV, WorkerSettings
+from tether.routing.errors import TetherError
+from tether.routing.logs import LogFormat, configure_logging
 
 log = structlog.get_logger("tether.serve")
 

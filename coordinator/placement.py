@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from routing.types import SessionId, WorkerId
+from tether.routing.types import SessionId, WorkerId
 
 
 @dataclass(frozen=True)

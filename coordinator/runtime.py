@@ -9,7 +9,7 @@ import secrets
 import shutil
 import tempfile
 
-from routing.worker import socket_path
+from tether.routing.worker import socket_path
 
 SOCKET_PATH_LIMIT = 107
 COORDINATOR_SOCKET = "c.sock"

@@ -57,7 +57,7 @@ class Supervisor:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-c",
-            "from coordinator.worker import main; main()",
+            "from tether.coordinator.worker import main; main()",
             env=self._env,
             pass_fds=self._pass_fds,
             stdin=asyncio.subprocess.DEVNULL,

@@ -1,7 +1,7 @@
 """A worker process of `tether serve`: the user's app behind the router, registered with
 the coordinator before it accepts a connection (SPEC 3).
 
-The supervisor starts it with `python -c "from coordinator.worker import main; main()"`
+The supervisor starts it with `python -c "from tether.coordinator.worker import main; main()"`
 (not `-m`, which would import this module twice); the launcher passes the listening
 socket as an inherited file descriptor and the settings as JSON in `TETHER_WORKER`.
 """
@@ -23,21 +23,21 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from checkpoint.checkpointer import Checkpointer
-from checkpoint.control import ControlApp
-from checkpoint.fleet import LocalFleet
-from checkpoint.participant import Held, Participant, declared_participant
-from checkpoint.segments import IndexEntry, read_index
-from checkpoint.store import resolve_latest
-from coordinator.apps import Preset, import_app, resolve_kind
-from coordinator.channel import Channel, connect
-from coordinator.lifespan import AppLifespan
-from coordinator.runtime import COORDINATOR_SOCKET
-from routing.errors import TetherError
-from routing.kinds import SessionKind
-from routing.logs import LogFormat, configure_logging
-from routing.types import SessionId, WorkerId, worker_id_or_none
-from routing.worker import RoutingWorker
+from tether.checkpoint.checkpointer import Checkpointer
+from tether.checkpoint.control import ControlApp
+from tether.checkpoint.fleet import LocalFleet
+from tether.checkpoint.participant import Held, Participant, declared_participant
+from tether.checkpoint.segments import IndexEntry, read_index
+from tether.checkpoint.store import resolve_latest
+from tether.coordinator.apps import Preset, import_app, resolve_kind
+from tether.coordinator.channel import Channel, connect
+from tether.coordinator.lifespan import AppLifespan
+from tether.coordinator.runtime import COORDINATOR_SOCKET
+from tether.routing.errors import TetherError
+from tether.routing.kinds import SessionKind
+from tether.routing.logs import LogFormat, configure_logging
+from tether.routing.types import SessionId, WorkerId, worker_id_or_none
+from tether.routing.worker import RoutingWorker
 
 log = structlog.get_logger("tether.worker")
 

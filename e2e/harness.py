@@ -33,7 +33,7 @@ import itsdangerous
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_ENV = "TETHER_CONTROL_TOKEN"
-COUNTER_APP = "examples.counter:app"
+COUNTER_APP = "tether.examples.counter:app"
 COUNTER_SECRET = "counter-example-secret"
 COOKIE = "session"
 
@@ -116,7 +116,7 @@ def tether_command() -> list[str]:
     script = Path(sys.executable).with_name("tether")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "from coordinator.cli import main; main()"]
+    return [sys.executable, "-c", "from tether.coordinator.cli import main; main()"]
 
 
 def run_tether(*args: str, timeout: float = READY_TIMEOUT_S) -> subprocess.CompletedProcess[str]:

@@ -20,13 +20,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from checkpoint.store import (
-    CHECKPOINT_NAME,
-    FAULT_ENV,
-    read_manifest_digest,
-    resolve_latest,
-    write_checkpoint_json,
-)
 from e2e.conftest import Serve
 from e2e.harness import (
     COUNTER_APP,
@@ -39,6 +32,13 @@ from e2e.harness import (
     bounded,
     eventually,
     tether_command,
+)
+from tether.checkpoint.store import (
+    CHECKPOINT_NAME,
+    FAULT_ENV,
+    read_manifest_digest,
+    resolve_latest,
+    write_checkpoint_json,
 )
 
 pytestmark = pytest.mark.e2e
@@ -309,7 +309,7 @@ def controller_writes_checkpoint_json(
     set to `fault` in its environment; its exit code."""
     script = (
         "import sys\n"
-        "from checkpoint.store import read_manifest_digest, write_checkpoint_json\n"
+        "from tether.checkpoint.store import read_manifest_digest, write_checkpoint_json\n"
         "root, url, cid, name = sys.argv[1:]\n"
         "entry = {'name': name, 'url': url,\n"
         "         'manifest_digest': read_manifest_digest(root, cid, name)}\n"

@@ -24,8 +24,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from checkpoint.segments import file_digest, read_records
-from checkpoint.store import CHECKPOINT_NAME, FAULT_ENV, resolve_latest
 from e2e.apps.blobs import blob_bytes
 from e2e.apps.gated import GATES_ENV
 from e2e.conftest import Serve
@@ -59,13 +57,15 @@ from e2e.test_checkpoint_e2e import (
 from e2e.test_rescale_e2e import status
 from tests.checkpoint.test_control import GOOD_BODIES, ID_ROUTES, ROUTES
 from tests.checkpoint.test_restore import CORRUPTIONS, forge, write_raw_segment
+from tether.checkpoint.segments import file_digest, read_records
+from tether.checkpoint.store import CHECKPOINT_NAME, FAULT_ENV, resolve_latest
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.parametrize("workers", [1, 4], ids=["1_worker", "4_workers"]),
 ]
 
-EPISODES_APP = "examples.episodes:app"
+EPISODES_APP = "tether.examples.episodes:app"
 GATED_APP = "e2e.apps.gated:app"
 BLOBS_APP = "e2e.apps.blobs:app"
 STEPS = 60

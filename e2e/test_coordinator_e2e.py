@@ -19,8 +19,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from coordinator.controller import Controller, new_checkpoint_id
-from coordinator.controller import Server as Target
 from e2e.conftest import Serve
 from e2e.harness import COUNTER_APP, Http, Reply, Server, bounded, eventually
 from e2e.test_rescale_e2e import (
@@ -35,10 +33,12 @@ from e2e.test_rescale_e2e import (
     status,
     take_checkpoint,
 )
+from tether.coordinator.controller import Controller, new_checkpoint_id
+from tether.coordinator.controller import Server as Target
 
 pytestmark = pytest.mark.e2e
 
-EPISODES_APP = "examples.episodes:app"
+EPISODES_APP = "tether.examples.episodes:app"
 EPISODES_NAME = "episodes"
 EPISODES = 30
 STEPS = 40

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(180)
 def test_demo_passes_every_step_and_prints_its_table() -> None:
     result = subprocess.run(
-        [sys.executable, "-c", "from coordinator.cli import main; main()", "demo",
+        [sys.executable, "-c", "from tether.coordinator.cli import main; main()", "demo",
          "--sessions", "200"],
         cwd=ROOT, capture_output=True, text=True, timeout=170, check=False,
     )

@@ -31,7 +31,7 @@ from e2e.harness import REPO, Server, alive, eventually
 
 pytestmark = pytest.mark.e2e
 
-APP = "examples.mcp_counter:app"
+APP = "tether.examples.mcp_counter:app"
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 INCREMENTS = 5

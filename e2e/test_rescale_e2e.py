@@ -22,8 +22,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from coordinator.controller import Controller
-from coordinator.controller import Server as Target
 from e2e.conftest import Serve
 from e2e.harness import (
     COUNTER_APP,
@@ -34,6 +32,8 @@ from e2e.harness import (
     bounded,
     eventually,
 )
+from tether.coordinator.controller import Controller
+from tether.coordinator.controller import Server as Target
 
 pytestmark = pytest.mark.e2e
 

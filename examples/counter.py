@@ -1,6 +1,6 @@
 """A per-session counter kept in worker memory: the reference app of SPEC section 10.
 
-Run it on four workers with `tether serve examples.counter:app --workers 4`.
+Run it on four workers with `tether serve tether.examples.counter:app --workers 4`.
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from checkpoint.inprocess import in_process
-from checkpoint.participant import Participant, declare_participant
-from routing.errors import TetherError
-from routing.fence import (
+from tether import (
+    CLOSE_FOLLOWS_HEADER,
     SessionFence,
+    TetherError,
+    checkpointable,
+    cookie_kind,
+    in_process,
     lost_verification,
     seed_rejected,
+    session_id_or_none,
     session_lost,
     tether_error_response,
+    worker_of,
 )
-from routing.kinds import CLOSE_FOLLOWS_HEADER, cookie_kind, declare
-from routing.router import worker_of
-from routing.types import session_id_or_none
 
 SECRET = os.environ.get("COUNTER_SECRET", "counter-example-secret")
 
@@ -140,12 +141,15 @@ def create_app(secret: str = SECRET) -> Starlette:
         exception_handlers={TetherError: tether_error_response},
     )
     app.state.counters = counters
-    declare(app, cookie_kind(app, release=counters.release))
-    participant = Participant(state_version="counter/1")
-    participant.register_sessions(counters)
-    declare_participant(app, participant)
+    checkpointable(
+        app,
+        sessions=cookie_kind(app, release=counters.release),
+        state=counters,
+        state_version="counter/1",
+    )
     return app
 
 
-# Plain `uvicorn examples.counter:app` serves the control API in-process; tether serve unwraps it.
+# Plain `uvicorn tether.examples.counter:app` serves the control API in-process;
+# tether serve unwraps it.
 app = in_process(create_app())

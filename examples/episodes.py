@@ -16,11 +16,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from checkpoint.inprocess import in_process
-from checkpoint.participant import Participant, declare_participant
-from routing.errors import TetherError
-from routing.fence import tether_error_response
-from routing.router import worker_of
+from tether import (
+    Participant,
+    TetherError,
+    declare_participant,
+    in_process,
+    tether_error_response,
+    worker_of,
+)
 
 
 class Run(BaseModel):

@@ -4,7 +4,7 @@ Streamable HTTP at `/mcp`; tools `increment` and `get` answer `{"count", "worker
 counter kept per MCP session in this worker's memory. The app declares no tether kind: it
 is an ordinary SDK server, and runs on several workers with one flag::
 
-    tether serve examples.mcp_counter:app --workers 4 --sessions mcp
+    tether serve tether.examples.mcp_counter:app --workers 4 --sessions mcp
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from routing import worker_of
+from tether import worker_of
 
 ToolContext = Context[ServerSession, Any, Request]
 

@@ -3,16 +3,17 @@
 What an app author imports; everything else in the package is internal.
 """
 
-from routing.claims import ClaimStore, FileClaimStore
-from routing.errors import ERRORS, ErrorCode, TetherError
-from routing.fence import (
+from tether.routing.claims import ClaimStore, FileClaimStore
+from tether.routing.errors import ERRORS, ErrorCode, TetherError
+from tether.routing.fence import (
     SessionFence,
     lost_verification,
     seed_rejected,
     session_lost,
     tether_error_response,
 )
-from routing.kinds import (
+from tether.routing.kinds import (
+    CLOSE_FOLLOWS_HEADER,
     CookieCodec,
     SessionHolder,
     SessionKind,
@@ -21,10 +22,11 @@ from routing.kinds import (
     mcp_kind,
     mint_session_token,
 )
-from routing.router import ended, worker_of
-from routing.types import SessionId, WorkerId
+from tether.routing.router import ended, worker_of
+from tether.routing.types import SessionId, WorkerId, session_id_or_none
 
 __all__ = [
+    "CLOSE_FOLLOWS_HEADER",
     "ERRORS",
     "ClaimStore",
     "CookieCodec",
@@ -43,6 +45,7 @@ __all__ = [
     "mcp_kind",
     "mint_session_token",
     "seed_rejected",
+    "session_id_or_none",
     "session_lost",
     "tether_error_response",
     "worker_of",

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from routing.errors import TetherError
-from routing.lifetimes import Lifetimes, Role
-from routing.types import SessionId, WorkerId, worker_id_or_none
+from tether.routing.errors import TetherError
+from tether.routing.lifetimes import Lifetimes, Role
+from tether.routing.types import SessionId, WorkerId, worker_id_or_none
 
 Clock = Callable[[], float]
 

@@ -16,8 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from routing.errors import TetherError
-from routing.kinds import DEFAULT_CLOSE_WINDOW_S
+from tether.routing.errors import TetherError
+from tether.routing.kinds import DEFAULT_CLOSE_WINDOW_S
 
 SESSION_LOST = "session_lost"
 

@@ -18,7 +18,7 @@ import itsdangerous
 from itsdangerous.exc import BadSignature
 from starlette.middleware.sessions import SessionMiddleware
 
-from routing.types import SessionId, session_id_or_none
+from tether.routing.types import SessionId, session_id_or_none
 
 TOKEN_HEADER = "x-tether-session-token"
 TOKEN_SALT = "tether.session-token"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import heapq
 from typing import Literal
 
-from routing.kinds import SessionHolder
-from routing.types import SessionId
+from tether.routing.kinds import SessionHolder
+from tether.routing.types import SessionId
 
 Role = Literal["start", "end", "other"]
 """What a served request did: a session start, a session end, or anything else."""

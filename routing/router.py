@@ -16,14 +16,14 @@ from typing import Any, Protocol
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from routing.claims import WorkerClaims
-from routing.errors import TetherError, send_error, send_json
-from routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
-from routing.kinds import SessionKind
-from routing.lifetimes import Role
-from routing.sources import Found, body_session_id, find, read_body, replay
-from routing.tables import Tables
-from routing.types import SessionId, WorkerId, new_session_id, session_id_or_none
+from tether.routing.claims import WorkerClaims
+from tether.routing.errors import TetherError, send_error, send_json
+from tether.routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
+from tether.routing.kinds import SessionKind
+from tether.routing.lifetimes import Role
+from tether.routing.sources import Found, body_session_id, find, read_body, replay
+from tether.routing.tables import Tables
+from tether.routing.types import SessionId, WorkerId, new_session_id, session_id_or_none
 
 log = structlog.get_logger("tether.router")
 

@@ -14,9 +14,9 @@ from urllib.parse import parse_qsl
 from starlette.requests import cookie_parser
 from starlette.types import Message, Receive, Scope
 
-from routing.errors import TetherError
-from routing.kinds import WORKER_HEADER, SessionKind
-from routing.types import SessionId, session_id_or_none
+from tether.routing.errors import TetherError
+from tether.routing.kinds import WORKER_HEADER, SessionKind
+from tether.routing.types import SessionId, session_id_or_none
 
 MAX_BODY = 64 * 1024 * 1024
 

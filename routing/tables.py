@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from routing.types import SessionId, WorkerId
+from tether.routing.types import SessionId, WorkerId
 
 
 class Tables:

@@ -13,14 +13,14 @@ from typing import Any
 import structlog
 from starlette.types import ASGIApp
 
-from routing.claims import ClaimStore, FileClaimStore, WorkerClaims
-from routing.forward import Forwarder
-from routing.kinds import SessionKind
-from routing.lifetimes import Lifetimes
-from routing.private import PrivateServer
-from routing.router import Admission, Router
-from routing.tables import Tables
-from routing.types import SessionId, WorkerId, new_worker_id
+from tether.routing.claims import ClaimStore, FileClaimStore, WorkerClaims
+from tether.routing.forward import Forwarder
+from tether.routing.kinds import SessionKind
+from tether.routing.lifetimes import Lifetimes
+from tether.routing.private import PrivateServer
+from tether.routing.router import Admission, Router
+from tether.routing.tables import Tables
+from tether.routing.types import SessionId, WorkerId, new_worker_id
 
 log = structlog.get_logger("tether.worker")
 

@@ -7,18 +7,30 @@ import importlib
 import pytest
 
 EXPECTED = {
-    "routing": {
-        "ERRORS", "ClaimStore", "CookieCodec", "ErrorCode", "FileClaimStore", "SessionFence",
+    "tether": {
+        "CLOSE_FOLLOWS_HEADER", "CookieCodec", "Episode", "Participant", "SessionFence",
+        "SessionHolder", "SessionKind", "SessionState", "TetherError", "__version__",
+        "checkpointable", "cookie_kind", "declare", "declare_participant", "ended",
+        "in_process", "lost_verification", "mcp_kind", "mint_session_token", "run",
+        "seed_rejected", "session_id_or_none", "session_lost", "tether_error_response",
+        "worker_of",
+    },
+    "tether.routing": {
+        "CLOSE_FOLLOWS_HEADER", "ERRORS", "ClaimStore", "CookieCodec", "ErrorCode",
+        "FileClaimStore", "SessionFence",
         "SessionHolder", "SessionId", "SessionKind", "TetherError", "WorkerId", "cookie_kind",
         "declare", "ended", "lost_verification", "mcp_kind", "mint_session_token",
-        "seed_rejected", "session_lost", "tether_error_response", "worker_of",
+        "seed_rejected", "session_id_or_none", "session_lost", "tether_error_response",
+        "worker_of",
     },
-    "coordinator": {
-        "Blocked", "ControlError", "Controller", "ControllerError", "ServeOptions", "Server",
+    "tether.coordinator": {
+        "Blocked", "ControlError", "Controller", "ControllerError", "RestoreFailed",
+        "ServeOptions", "Server",
         "ServerClient", "serve",
     },
-    "checkpoint": {
-        "Checkpointer", "Episode", "Participant", "SessionState", "declare_participant",
+    "tether.checkpoint": {
+        "Checkpointer", "Episode", "Participant", "SessionState", "checkpointable",
+        "declare_participant",
         "declared_participant", "in_process", "resolve_latest",
     },
 }
@@ -37,6 +49,6 @@ def test_routing_imports_neither_checkpoint_nor_coordinator() -> None:
     import re
 
     root = pathlib.Path(__file__).resolve().parent.parent / "routing"
-    pattern = re.compile(r"^\s*(from|import)\s+(checkpoint|coordinator)\b", re.MULTILINE)
+    pattern = re.compile(r"^\s*(from|import)\s+tether\.(checkpoint|coordinator)\b", re.MULTILINE)
     offenders = [p.name for p in root.glob("*.py") if pattern.search(p.read_text())]
     assert offenders == []

@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from checkpoint.participant import Participant, declare_participant
-from routing.kinds import cookie_kind, declare
+from tether.checkpoint.participant import Participant, declare_participant
+from tether.routing.kinds import cookie_kind, declare
 
 
 class States:

@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from checkpoint.participant import Participant, declare_participant
-from routing.errors import TetherError
-from routing.fence import tether_error_response
-from routing.kinds import cookie_kind, declare
+from tether.checkpoint.participant import Participant, declare_participant
+from tether.routing.errors import TetherError
+from tether.routing.fence import tether_error_response
+from tether.routing.kinds import cookie_kind, declare
 
 
 class Blobs:

@@ -28,10 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from checkpoint.participant import Participant, declared_participant
-from examples.counter import Counters, create_app
-from routing.fence import session_lost
-from routing.router import worker_of
+from tether.checkpoint.participant import Participant, declared_participant
+from tether.examples.counter import Counters, create_app
+from tether.routing.fence import session_lost
+from tether.routing.router import worker_of
 
 GATES_ENV = "TETHER_E2E_GATES"
 GATE_LIMIT_S = 60.0

@@ -80,9 +80,9 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from checkpoint.store import read_manifest_digest, write_checkpoint_json
 from e2e.bench import machine
 from e2e.bench.state_app import episode_record, session_record
+from tether.checkpoint.store import read_manifest_digest, write_checkpoint_json
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -226,7 +226,7 @@ def tether_command() -> list[str]:
     script = Path(sys.executable).parent / "tether"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "from coordinator.cli import main; main()"]
+    return [sys.executable, "-c", "from tether.coordinator.cli import main; main()"]
 
 
 def start_server(

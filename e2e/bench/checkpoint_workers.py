@@ -74,7 +74,7 @@ from e2e.bench.checkpoint import (
     start_server,
 )
 from e2e.bench.state_app import session_id, summed_digest
-from routing.types import new_session_id
+from tether.routing.types import new_session_id
 
 CHANNEL_LIMIT = 1_000_000  # bytes a commit may send over the channel (issue #4)
 RSS_STEP = 0.2  # the poll while waiting for a worker's RSS to settle, seconds

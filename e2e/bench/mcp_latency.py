@@ -51,7 +51,7 @@ from e2e.bench import machine, stop
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "e2e" / "bench" / "results" / "mcp.json"
 COMMAND = ".venv/bin/python -m e2e.bench.mcp_latency"
-APP = "examples.mcp_counter:app"
+APP = "tether.examples.mcp_counter:app"
 VARIANTS = ("direct", "forwarded", "health direct", "health forwarded")
 PROTOCOL = "2025-06-18"
 START_TIMEOUT_S = 60.0

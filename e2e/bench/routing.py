@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import Any
 
 from e2e.bench import machine, stop
-from routing.claims import FileClaimStore, WorkerClaims
-from routing.lifetimes import Lifetimes
-from routing.types import SessionId, WorkerId, new_worker_id
+from tether.routing.claims import FileClaimStore, WorkerClaims
+from tether.routing.lifetimes import Lifetimes
+from tether.routing.types import SessionId, WorkerId, new_worker_id
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "e2e" / "bench" / "results" / "routing.json"
@@ -192,7 +192,7 @@ def _tether_command() -> list[str]:
     script = Path(sys.executable).parent / "tether"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "import sys; from coordinator.cli import main; main()"]
+    return [sys.executable, "-c", "import sys; from tether.coordinator.cli import main; main()"]
 
 
 def _wait_for(found: Callable[[], Any], process: subprocess.Popen[bytes], what: str) -> Any:
@@ -234,7 +234,7 @@ def start_tether(log_dir: str) -> Tether:
             [
                 *_tether_command(),
                 "serve",
-                "examples.counter:app",
+                "tether.examples.counter:app",
                 "--workers",
                 str(WORKERS),
                 "--port",
@@ -526,8 +526,8 @@ def bench_lookups() -> dict[str, Any]:
 
 _LOOKUPS_UNDER_STRACE = """
 import os, sys
-from routing.claims import FileClaimStore, WorkerClaims
-from routing.lifetimes import Lifetimes
+from tether.routing.claims import FileClaimStore, WorkerClaims
+from tether.routing.lifetimes import Lifetimes
 directory, me, mine, theirs, count = sys.argv[1:]
 claims = WorkerClaims(FileClaimStore(directory), me, Lifetimes(300.0))
 claims.claim(mine)

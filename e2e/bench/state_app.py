@@ -57,8 +57,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from checkpoint.inprocess import in_process
-from checkpoint.participant import Participant, declare_participant
+from tether.checkpoint.inprocess import in_process
+from tether.checkpoint.participant import Participant, declare_participant
 
 STATE_VERSION = "bench/1"
 DIGEST_MODULUS = 1 << 256
@@ -129,7 +129,7 @@ def routing_tables_size() -> dict[str, Any]:
     worker shares one string per worker ID): what the tables keep, allocator rounding
     and the file's transient load aside. None outside `tether serve --workers N`.
     """
-    kind = getattr(sys.modules.get("coordinator.worker"), "TetherWorker", None)
+    kind = getattr(sys.modules.get("tether.coordinator.worker"), "TetherWorker", None)
     found = [o for o in gc.get_objects() if type(o) is kind] if kind is not None else []
     if len(found) != 1:
         names = ("placed_sessions", "owner_aliases", "bytes", "placed_bytes")

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgpack
 
-from checkpoint.segments import SegmentWriter, read_index, read_records
-from routing.types import new_worker_id
+from tether.checkpoint.segments import SegmentWriter, read_index, read_records
+from tether.routing.types import new_worker_id
 
 
 def make_records(count: int) -> list[dict[str, Any]]:

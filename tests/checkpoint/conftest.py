@@ -26,20 +26,20 @@ import pytest
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from checkpoint.checkpointer import Checkpointer
-from checkpoint.control import ControlApp
-from checkpoint.fleet import LocalFleet
-from checkpoint.participant import (
+from e2e import harness
+from e2e.apps.blobs import blob_app
+from tether.checkpoint.checkpointer import Checkpointer
+from tether.checkpoint.control import ControlApp
+from tether.checkpoint.fleet import LocalFleet
+from tether.checkpoint.participant import (
     Participant,
     SessionState,
     declared_participant,
 )
-from checkpoint.store import read_manifest_digest, resolve_latest, write_checkpoint_json
-from e2e import harness
-from e2e.apps.blobs import blob_app
-from examples import counter, episodes
-from routing.kinds import declared_kind
-from routing.worker import RoutingWorker
+from tether.checkpoint.store import read_manifest_digest, resolve_latest, write_checkpoint_json
+from tether.examples import counter, episodes
+from tether.routing.kinds import declared_kind
+from tether.routing.worker import RoutingWorker
 
 TOKEN = "checkpoint-test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

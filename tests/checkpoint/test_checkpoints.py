@@ -17,13 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from checkpoint.fleet import LocalFleet
-from checkpoint.segments import read_records
-from checkpoint.store import ManifestSegment, PendingCommit, RecordCounts
 from e2e.apps.blobs import blob_app, blob_bytes
-from routing.errors import TetherError
-from routing.kinds import declare, declared_kind
-from routing.types import SessionId
 from tests.checkpoint.conftest import (
     HOLD_HEADER,
     Gate,
@@ -35,6 +29,12 @@ from tests.checkpoint.conftest import (
     silently_busy,
     stop_promptly,
 )
+from tether.checkpoint.fleet import LocalFleet
+from tether.checkpoint.segments import read_records
+from tether.checkpoint.store import ManifestSegment, PendingCommit, RecordCounts
+from tether.routing.errors import TetherError
+from tether.routing.kinds import declare, declared_kind
+from tether.routing.types import SessionId
 
 
 async def increments(node: Node, cookie: str, times: int) -> int | None:

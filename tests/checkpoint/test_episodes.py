@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from checkpoint.segments import read_records
-from examples import episodes
 from tests.checkpoint.conftest import Node, Nodes, assert_error, eventually
+from tether.checkpoint.segments import read_records
+from tether.examples import episodes
 
 STEPS = 60
 

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint.participant import EXPORT_BATCH, WRITE_AHEAD, Participant
-from checkpoint.segments import SegmentWriter, read_index, read_records
-from routing.errors import TetherError
-from routing.types import new_worker_id
+from tether.checkpoint.participant import EXPORT_BATCH, WRITE_AHEAD, Participant
+from tether.checkpoint.segments import SegmentWriter, read_index, read_records
+from tether.routing.errors import TetherError
+from tether.routing.types import new_worker_id
 
 STATE_BYTES = 2048
 SESSIONS = 8 * EXPORT_BATCH + 7  # several batches, several writes behind the packing

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from checkpoint import gcpause
+from tether.checkpoint import gcpause
 
 
 @pytest.fixture(autouse=True)

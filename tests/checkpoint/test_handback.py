@@ -12,9 +12,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from checkpoint.participant import Held, Participant
-from checkpoint.segments import read_records
 from tests.checkpoint.conftest import eventually
+from tether.checkpoint.participant import Held, Participant
+from tether.checkpoint.segments import read_records
 
 RESTORED = {"step": 3}
 

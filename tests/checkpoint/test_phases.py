@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint.phases import (
+from tether.checkpoint.phases import (
     CLOSED,
     AbortAnswer,
     AbortDone,
@@ -45,7 +45,7 @@ from checkpoint.phases import (
     WaitReady,
     WriteCheckpoint,
 )
-from routing.errors import TetherError
+from tether.routing.errors import TetherError
 
 T0 = 1_000.0
 MANIFEST = {"format": 1, "checkpoint_id": "c1", "records": {"sessions": 2, "episodes": 0}}

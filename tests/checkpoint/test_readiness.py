@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import pytest
 
-from checkpoint.participant import LISTED_BLOCKERS, Participant
+from tether.checkpoint.participant import LISTED_BLOCKERS, Participant
 
 
 class Flags:

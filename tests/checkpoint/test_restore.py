@@ -12,17 +12,17 @@ from typing import Any
 import msgpack
 import pytest
 
-from checkpoint.segments import SegmentWriter, file_digest, read_index
-from checkpoint.store import (
+from tests.checkpoint.conftest import Node, Nodes, assert_error
+from tether.checkpoint.segments import SegmentWriter, file_digest, read_index
+from tether.checkpoint.store import (
     CHECKPOINT_NAME,
     MANIFEST_NAME,
     encode_manifest,
     read_manifest_digest,
     write_checkpoint_json,
 )
-from examples import episodes
-from routing.errors import ERRORS
-from tests.checkpoint.conftest import Node, Nodes, assert_error
+from tether.examples import episodes
+from tether.routing.errors import ERRORS
 
 COUNTS = {"a": 1, "b": 2, "c": 3}
 

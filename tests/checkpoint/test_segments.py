@@ -17,7 +17,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint.segments import (
+from tether.checkpoint.segments import (
     DIGEST_ALGORITHM,
     SYNC_AHEAD,
     IndexEntry,
@@ -26,8 +26,8 @@ from checkpoint.segments import (
     read_records,
     verify,
 )
-from routing.errors import TetherError
-from routing.types import new_worker_id
+from tether.routing.errors import TetherError
+from tether.routing.types import new_worker_id
 
 OWNER = new_worker_id()
 

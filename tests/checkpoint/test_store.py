@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from checkpoint.segments import SegmentWriter, read_index, read_records
-from checkpoint.store import (
+from tether.checkpoint.segments import SegmentWriter, read_index, read_records
+from tether.checkpoint.store import (
     CHECKPOINT_NAME,
     FAULT_ENV,
     FAULT_POINTS,
@@ -34,8 +34,8 @@ from checkpoint.store import (
     verify_segments,
     write_checkpoint_json,
 )
-from routing.errors import TetherError
-from routing.types import new_worker_id
+from tether.routing.errors import TetherError
+from tether.routing.types import new_worker_id
 
 W1, W2 = sorted(str(new_worker_id()) for _ in range(2))
 T0 = 1_800_000_000.0
@@ -616,8 +616,8 @@ def test_latest_of_an_empty_or_missing_root_is_none(tmp_path: Path) -> None:
 FAULT_SCRIPT = """
 import sys
 from pathlib import Path
-from checkpoint.segments import SegmentWriter
-from checkpoint.store import begin_commit, read_manifest_digest, write_checkpoint_json
+from tether.checkpoint.segments import SegmentWriter
+from tether.checkpoint.store import begin_commit, read_manifest_digest, write_checkpoint_json
 root, worker = Path(sys.argv[1]), sys.argv[2]
 pending = begin_commit(root, "c1", "srv")
 with SegmentWriter(pending.segment_path(worker)) as writer:

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 from structlog.testing import capture_logs
 
-from coordinator.channel import (
+from tether.coordinator.channel import (
     Channel,
     ChannelLost,
     ChannelServer,
@@ -25,8 +25,8 @@ from coordinator.channel import (
     RemoteError,
     connect,
 )
-from coordinator.framing import Notification, Reply, encode_frame
-from routing.errors import TetherError
+from tether.coordinator.framing import Notification, Reply, encode_frame
+from tether.routing.errors import TetherError
 
 BOUND = 5.0  # every wait in these tests is bounded; nothing should come close
 PROJECT = Path(__file__).resolve().parents[2]
@@ -239,7 +239,7 @@ async def test_a_reply_that_cannot_be_encoded_becomes_a_500(client: Channel) -> 
 
 
 async def test_a_request_that_cannot_be_encoded_fails_only_that_call(client: Channel) -> None:
-    from coordinator.framing import FrameError
+    from tether.coordinator.framing import FrameError
 
     with pytest.raises(FrameError):
         await client.request("echo", object())
@@ -463,7 +463,7 @@ async def test_a_killed_worker_process_fails_the_coordinators_call_at_once(
     worker = textwrap.dedent(
         f"""
         import asyncio
-        from coordinator.channel import connect
+        from tether.coordinator.channel import connect
 
         async def hang(kind, body):
             await asyncio.Event().wait()

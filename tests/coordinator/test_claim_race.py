@@ -36,19 +36,19 @@ from typing import Any, ParamSpec, TypeVar
 import httpx
 import uvicorn
 
-from checkpoint.checkpointer import Checkpointer
-from checkpoint.participant import Held, Participant
-from checkpoint.segments import IndexEntry, read_index
-from checkpoint.store import read_manifest_digest, write_checkpoint_json
-from coordinator.apps import resolve_kind
-from coordinator.channel import Channel, ChannelServer, Handler, RemoteError, connect
-from coordinator.coordinator import Coordinator
-from coordinator.fleet import ChannelFleet
-from coordinator.runtime import COORDINATOR_SOCKET
-from coordinator.worker import TetherWorker, WorkerSettings
-from examples import counter, episodes
-from routing.types import WorkerId, new_worker_id
 from tests.checkpoint.conftest import eventually
+from tether.checkpoint.checkpointer import Checkpointer
+from tether.checkpoint.participant import Held, Participant
+from tether.checkpoint.segments import IndexEntry, read_index
+from tether.checkpoint.store import read_manifest_digest, write_checkpoint_json
+from tether.coordinator.apps import resolve_kind
+from tether.coordinator.channel import Channel, ChannelServer, Handler, RemoteError, connect
+from tether.coordinator.coordinator import Coordinator
+from tether.coordinator.fleet import ChannelFleet
+from tether.coordinator.runtime import COORDINATOR_SOCKET
+from tether.coordinator.worker import TetherWorker, WorkerSettings
+from tether.examples import counter, episodes
+from tether.routing.types import WorkerId, new_worker_id
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -200,7 +200,7 @@ async def started() -> AsyncIterator[tuple[list[Server], list[asyncio.Task[Any]]
 
 
 async def start_server(
-    base: Path, root: Path, label: str, app: str = "examples.episodes:app"
+    base: Path, root: Path, label: str, app: str = "tether.examples.episodes:app"
 ) -> Server:
     runtime_dir = base / label
     runtime_dir.mkdir(mode=0o700)
@@ -232,7 +232,7 @@ async def start_server(
 
 
 async def _start_worker(settings: WorkerSettings) -> Worker:
-    app = (counter if settings.app.startswith("examples.counter") else episodes).create_app()
+    app = (counter if settings.app.startswith("tether.examples.counter") else episodes).create_app()
     worker = TetherWorker(app, resolve_kind(app, None, None), settings)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

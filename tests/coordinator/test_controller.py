@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from checkpoint.segments import SegmentWriter
-from checkpoint.store import (
+from tether.checkpoint.segments import SegmentWriter
+from tether.checkpoint.store import (
     CHECKPOINT_NAME,
     MANIFEST_NAME,
     begin_commit,
@@ -37,7 +37,7 @@ from checkpoint.store import (
     resolve_latest,
     validate_checkpoint_id,
 )
-from coordinator.controller import (
+from tether.coordinator.controller import (
     Blocked,
     ControlError,
     Controller,
@@ -48,9 +48,9 @@ from coordinator.controller import (
     ServerUnreachable,
     new_checkpoint_id,
 )
-from coordinator.ctl import TOKEN_ENV, exit_code, main
-from routing.errors import TetherError
-from routing.types import new_worker_id
+from tether.coordinator.ctl import TOKEN_ENV, exit_code, main
+from tether.routing.errors import TetherError
+from tether.routing.types import new_worker_id
 
 TOKEN = "s3cret-token"
 BOUND = 5.0

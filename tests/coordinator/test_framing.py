@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.framing import (
+from tether.coordinator.framing import (
     MAX_FRAME,
     ErrorReply,
     FrameDecoder,

@@ -14,7 +14,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from checkpoint import participant as participant_module
 from tests.checkpoint.conftest import eventually
 from tests.coordinator.test_claim_race import (
     BOUND,
@@ -27,6 +26,7 @@ from tests.coordinator.test_claim_race import (
     restored_after_attempt_1,
     started,
 )
+from tether.checkpoint import participant as participant_module
 
 
 async def attempt_2_stepping_on_a(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.coordinator import Coordinator
-from coordinator.fleet import ChannelFleet
-from routing.types import WorkerId, new_worker_id
+from tether.coordinator.coordinator import Coordinator
+from tether.coordinator.fleet import ChannelFleet
+from tether.routing.types import WorkerId, new_worker_id
 
 ENTRY = ["episode", "e", None, 1, 0, 10]
 

@@ -12,9 +12,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from checkpoint import participant as participant_module
-from checkpoint.store import read_manifest_digest, write_checkpoint_json
-from coordinator.worker import WorkerSettings
 from tests.checkpoint.conftest import eventually
 from tests.coordinator.test_claim_race import (
     AUTH,
@@ -27,8 +24,11 @@ from tests.coordinator.test_claim_race import (
     _start_worker,
     start_server,
 )
+from tether.checkpoint import participant as participant_module
+from tether.checkpoint.store import read_manifest_digest, write_checkpoint_json
+from tether.coordinator.worker import WorkerSettings
 
-APP = "examples.counter:app"
+APP = "tether.examples.counter:app"
 SESSIONS = 20
 
 

@@ -7,8 +7,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.placement import place
-from routing.types import SessionId, WorkerId
+from tether.coordinator.placement import place
+from tether.routing.types import SessionId, WorkerId
 
 worker_ids = st.text("0123456789abcdef", min_size=32, max_size=32).map(WorkerId)
 owners = st.one_of(st.none(), st.sampled_from([WorkerId(c * 32) for c in "abcdef"]))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoint.segments import IndexEntry
-from checkpoint.store import Checkpoint, Segment
-from coordinator.fleet import _reads
-from coordinator.placement import place
-from routing.types import SessionId, WorkerId, new_worker_id
+from tether.checkpoint.segments import IndexEntry
+from tether.checkpoint.store import Checkpoint, Segment
+from tether.coordinator.fleet import _reads
+from tether.coordinator.placement import place
+from tether.routing.types import SessionId, WorkerId, new_worker_id
 
 
 def checkpoint_of(segments: dict[str, list[tuple[str, str | None]]]) -> Checkpoint:

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from checkpoint.segments import SegmentWriter
-from checkpoint.store import ManifestSegment
-from coordinator.fleet import _tally
-from routing.errors import TetherError
-from routing.types import new_worker_id
+from tether.checkpoint.segments import SegmentWriter
+from tether.checkpoint.store import ManifestSegment
+from tether.coordinator.fleet import _tally
+from tether.routing.errors import TetherError
+from tether.routing.types import new_worker_id
 
 
 def segments(tmp_path: Path, records: list[list[dict[str, Any]]]) -> list[ManifestSegment]:

@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from routing.kinds import SessionKind, cookie_kind, declare
-from routing.router import worker_of
+from tether.routing.kinds import SessionKind, cookie_kind, declare
+from tether.routing.router import worker_of
 
 SECRET = "test-secret"
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import uvicorn
 
-from routing.kinds import SessionKind, declared_kind
-from routing.types import WorkerId
-from routing.worker import RoutingWorker
+from tether.routing.kinds import SessionKind, declared_kind
+from tether.routing.types import WorkerId
+from tether.routing.worker import RoutingWorker
 
 
 @dataclass

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from routing.claims import FileClaimStore
-from routing.errors import TetherError
-from routing.types import SessionId, WorkerId
+from tether.routing.claims import FileClaimStore
+from tether.routing.errors import TetherError
+from tether.routing.types import SessionId, WorkerId
 
 A = WorkerId("a" * 32)
 B = WorkerId("b" * 32)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from routing.errors import TetherError
-from routing.fence import SessionFence, lost_verification, seed_rejected, session_lost
+from tether.routing.errors import TetherError
+from tether.routing.fence import SessionFence, lost_verification, seed_rejected, session_lost
 
 
 class Clock:

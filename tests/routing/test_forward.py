@@ -26,9 +26,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from routing.errors import TetherError, send_error
-from routing.forward import HOP_BY_HOP, ClaimantGone, ClaimantUnavailable, Forwarder
-from routing.private import PrivateServer
+from tether.routing.errors import TetherError, send_error
+from tether.routing.forward import HOP_BY_HOP, ClaimantGone, ClaimantUnavailable, Forwarder
+from tether.routing.private import PrivateServer
 
 BOUND = 10.0  # seconds any coordinated wait may take before the test fails
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from routing.claims import FileClaimStore, WorkerClaims
-from routing.lifetimes import Lifetimes
-from routing.types import SessionId, WorkerId
+from tether.routing.claims import FileClaimStore, WorkerClaims
+from tether.routing.lifetimes import Lifetimes
+from tether.routing.types import SessionId, WorkerId
 
 ME = WorkerId("a" * 32)
 S = SessionId("s1")

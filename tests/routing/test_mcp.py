@@ -25,10 +25,10 @@ from mcp.shared.exceptions import McpError
 from mcp.types import LoggingMessageNotificationParams
 from starlette.applications import Starlette
 
-from examples.mcp_counter import ToolContext, create_app
-from routing.kinds import SessionKind, mcp_kind
-from routing.types import SessionId
 from tests.routing.conftest import Cluster, Node
+from tether.examples.mcp_counter import ToolContext, create_app
+from tether.routing.kinds import SessionKind, mcp_kind
+from tether.routing.types import SessionId
 
 Pick = Callable[[httpx.Request], Node]
 TIMEOUT_S = 20.0

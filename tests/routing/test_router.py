@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 
-from routing.kinds import SessionKind
-from routing.types import SessionId
 from tests.routing.apps import header_app, session_app
 from tests.routing.conftest import Cluster
+from tether.routing.kinds import SessionKind
+from tether.routing.types import SessionId
 
 
 def claim_files(cluster: Cluster) -> list[str]:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import itsdangerous
 
-from routing.kinds import mint_session_token
-from routing.sources import MAX_BODY
-from routing.types import SessionId
 from tests.routing.apps import SECRET, session_app
 from tests.routing.conftest import Cluster
+from tether.routing.kinds import mint_session_token
+from tether.routing.sources import MAX_BODY
+from tether.routing.types import SessionId
 
 
 def claims_named(cluster: Cluster) -> set[str]:
@@ -74,7 +74,7 @@ async def test_forged_or_expired_cookies_and_tokens_name_no_session(cluster: Clu
 
 
 async def test_seed_bodies_that_name_no_valid_id_leave_no_claim(cluster: Cluster) -> None:
-    from examples.counter import create_app
+    from tether.examples.counter import create_app
 
     a = await cluster.add(create_app())
     await cluster.add(create_app())

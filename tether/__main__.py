@@ -1,0 +1,5 @@
+"""`python -m tether ...`: the `tether` command."""
+
+from tether.coordinator.cli import main
+
+main()
