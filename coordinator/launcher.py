@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -188,6 +189,7 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
         name=options.name,
         checkpoint_root=options.checkpoint_root,
         restore=options.restore,
+        server_secret=secrets.token_hex(32),
     )
     env = {**os.environ, CONFIG_ENV: settings.to_json()}
     supervisor = Supervisor(

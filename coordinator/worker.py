@@ -63,6 +63,9 @@ class WorkerSettings:
     name: str | None = None
     checkpoint_root: str | None = None
     restore: str | None = None
+    server_secret: str = ""
+    """Random per server run, the same in every worker: for what must agree across
+    workers but is per-process in a library (the MCP SDK's request-state key)."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
