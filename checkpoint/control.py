@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from tether.checkpoint.store import validate_checkpoint_id
 from tether.routing.errors import TetherError, send_error, send_json
+from tether.routing.router import route_path
 
 Backend = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
@@ -103,9 +104,10 @@ class ControlApp:
         if not self.authorized(scope):
             await send_error(send, TetherError("unauthorized"), [(b"www-authenticate", b"Bearer")])
             return
-        route = ROUTES.get((scope["method"], scope["path"]))
+        path = route_path(scope)
+        route = ROUTES.get((scope["method"], path))
         if route is None:
-            await send_json(send, 404, {"code": "not_found", "detail": scope["path"]})
+            await send_json(send, 404, {"code": "not_found", "detail": path})
             return
         call, model = route
         try:

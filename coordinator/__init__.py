@@ -9,7 +9,8 @@ from tether.coordinator.controller import (
     Server,
     ServerClient,
 )
-from tether.coordinator.launcher import ServeOptions, serve
+from tether.coordinator.launcher import serve
+from tether.coordinator.options import ServeOptions
 
 __all__ = [
     "Blocked",

@@ -245,7 +245,7 @@ class Channel:
             reason = f"reader failed: {exc!r}"
             _log.exception("channel_reader_failed", channel=self.name)
         if not self.closed:
-            _log.info("channel_lost", channel=self.name, reason=reason)
+            _log.debug("channel_lost", channel=self.name, reason=reason)
         self._begin_close(reason)
 
     def _dispatch(self, message: Message) -> None:

@@ -1,4 +1,4 @@
-"""The `tether` command."""
+"""The `tether` command: `serve`, `ctl`, `demo`, `--version`."""
 
 from __future__ import annotations
 
@@ -6,28 +6,23 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from tether._version import __version__
 from tether.coordinator.ctl import add_ctl_parser, run_ctl
-from tether.coordinator.launcher import ServeOptions, serve
+from tether.coordinator.options import OptionError, add_serve_flags, options_from
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tether", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tether {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("serve", help="serve an app on several uvicorn workers")
-    run.add_argument("app", help="module:attribute, imported from the current directory")
-    run.add_argument("--workers", type=int, default=1)
-    run.add_argument("--host", default="127.0.0.1")
-    run.add_argument("--port", type=int, default=8000)
-    run.add_argument("--name", help="the participant's name")
-    run.add_argument("--sessions", choices=["cookie", "mcp"],
-                     help="a preset for an app that declares no session kind")
-    run.add_argument("--checkpoint-root", help="where checkpoints are written")
-    run.add_argument("--control-token-file", help="read, or created 0600 if missing")
-    run.add_argument("--close-window", type=float, dest="close_window_s",
-                     help="seconds a session that is not open keeps its claim (default 300)")
-    run.add_argument("--log-format", choices=["console", "json"])
-    run.add_argument("--restore", metavar="ID|latest",
-                     help="restore this checkpoint, then resume, before serving")
+    run = commands.add_parser(
+        "serve",
+        help="serve an app on several uvicorn workers",
+        description="Serve APP on several uvicorn workers as if it were one process. Every "
+        "flag can also be set as TETHER_<FLAG> (TETHER_WORKERS=4, TETHER_ROOT_PATH=/api).",
+    )
+    run.add_argument("app", help="module:attribute, imported from --app-dir (default .)")
+    add_serve_flags(run)
     demo = commands.add_parser("demo", help="run the whole story on this machine")
     demo.add_argument("--sessions", type=int, default=1000)
     add_ctl_parser(commands)
@@ -43,17 +38,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(demo([f"--sessions={args.sessions}"]))
     if args.command == "serve":
-        options = ServeOptions(
-            app=args.app,
-            workers=args.workers,
-            host=args.host,
-            port=args.port,
-            name=args.name,
-            sessions=args.sessions,
-            checkpoint_root=args.checkpoint_root,
-            control_token_file=args.control_token_file,
-            close_window_s=args.close_window_s,
-            log_format=args.log_format,
-            restore=args.restore,
-        )
+        from tether.coordinator.launcher import serve
+
+        try:
+            options = options_from(args.app, vars(args))
+        except OptionError as error:
+            print(f"tether serve: {error}", file=sys.stderr)
+            sys.exit(2)
         sys.exit(serve(options))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ class Coordinator:
         self.stopping = False
         self.fleet: ChannelFleet | None = None
         self.checkpointer: Checkpointer | None = None
+        self.on_startup_failed: Callable[[str], None] = lambda problem: None
+        """Called with the one line a worker that cannot start reports."""
         self._changed = asyncio.Condition()
 
     @property
@@ -64,6 +67,10 @@ class Coordinator:
         async def handle(kind: str, body: Any) -> Any:
             if kind == "register":
                 return await self._register(channel, body)
+            if kind == "startup_failed":
+                problem = body.get("problem") if isinstance(body, dict) else None
+                self.on_startup_failed(str(problem))
+                return None
             if kind == "status" or kind in CONTROL_CALLS:
                 if self.checkpointer is None:
                     raise TetherError("unsupported_topology", "this server has no checkpointer")

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import os
 import secrets
 import signal
 import socket
+import ssl
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+import dotenv
 import structlog
+from uvicorn.config import create_ssl_context
 
 from tether.checkpoint.checkpointer import Checkpointer
-from tether.checkpoint.store import resolve_latest, validate_checkpoint_id, validate_participant
-from tether.coordinator.apps import AppError, Preset, import_app, resolve_kind
+from tether.checkpoint.store import resolve_latest
 from tether.coordinator.channel import ChannelServer
 from tether.coordinator.coordinator import Coordinator
 from tether.coordinator.fleet import ChannelFleet
+from tether.coordinator.options import ServeOptions
 from tether.coordinator.runtime import (
     COORDINATOR_SOCKET,
-    RuntimeDirError,
+    StartupError,
     make_runtime_dir,
     raise_open_file_limit,
     remove_runtime_dir,
@@ -29,85 +34,104 @@ from tether.coordinator.runtime import (
 from tether.coordinator.supervisor import Supervisor
 from tether.coordinator.worker import CONFIG_ENV, WorkerSettings
 from tether.routing.errors import TetherError
-from tether.routing.logs import LogFormat, configure_logging
+from tether.routing.logs import configure_logging
 
 log = structlog.get_logger("tether.serve")
 
 START_TIMEOUT_S = 60.0
 RESTORE_DEADLINE_S = 600.0
+STOP_MARGIN_S = 10.0
+"""How long after --timeout-graceful-shutdown a worker that has not exited is killed."""
+
+__all__ = ["ServeOptions", "serve"]
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    app: str
-    workers: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    name: str | None = None
-    sessions: Preset | None = None
-    checkpoint_root: str | None = None
-    control_token_file: str | None = None
-    close_window_s: float | None = None
-    log_format: LogFormat | None = None
-    restore: str | None = None
-
-    def problem(self) -> str | None:
-        """Why these options cannot be served, or None."""
-        if self.workers < 1:
-            return "--workers must be at least 1"
-        if self.close_window_s is not None and self.close_window_s <= 0:
-            return "--close-window must be positive"
-        if self.checkpoint_root is not None and self.name is None:
-            return "--name is required with --checkpoint-root"
-        if self.name is not None:
-            try:
-                validate_participant(self.name)
-            except ValueError as error:
-                return f"--name: {error}"
-        if self.restore is not None and self.checkpoint_root is None:
-            return "--restore needs --checkpoint-root"
-        if self.restore not in (None, "latest"):
-            try:
-                validate_checkpoint_id(self.restore)
-            except TetherError as error:
-                return f"--restore: {error.detail}"
-        return None
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The shared listening socket every worker accepts on."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+def bind_listener(options: ServeOptions) -> socket.socket:
+    """The shared listening socket every worker accepts on: TCP, or `--uds` (0666, as
+    uvicorn makes it). Raises `StartupError` with the line to print."""
+    if options.uds is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        where = options.uds
+    else:
+        family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        where = f"{options.host}:{options.port}"
+    try:
+        if options.uds is not None:
+            sock.bind(options.uds)
+            os.chmod(options.uds, 0o666)
+        else:
+            sock.bind((options.host, options.port))
+        sock.listen(options.backlog)
+    except OSError as error:
+        sock.close()
+        fix = ("another process listens there; stop it or pick another --port"
+               if error.errno == errno.EADDRINUSE else "pick another address")
+        raise StartupError(f"cannot listen on {where} ({error.strerror}); {fix}") from None
     sock.set_inheritable(True)
     return sock
 
 
+def _check_tls(options: ServeOptions) -> None:
+    """Build the TLS context once here, so a bad key or certificate is one line."""
+    if not options.ssl_certfile:
+        return
+    try:
+        create_ssl_context(
+            keyfile=options.ssl_keyfile, certfile=options.ssl_certfile,
+            password=options.ssl_keyfile_password, ssl_version=options.ssl_version,
+            cert_reqs=options.ssl_cert_reqs, ca_certs=options.ssl_ca_certs,
+            ciphers=options.ssl_ciphers,
+        )
+    except (OSError, ssl.SSLError) as error:
+        raise StartupError(
+            f"--ssl-certfile/--ssl-keyfile cannot be used ({error}); check both files "
+            "and --ssl-keyfile-password"
+        ) from None
+
+
 def serve(options: ServeOptions) -> int:
-    """Run the server until SIGTERM or SIGINT; return the exit code."""
-    configure_logging(options.log_format)
+    """Run the server until SIGTERM or SIGINT; return the exit code.
+
+    Every start-up mistake ends in one line on stderr that names the problem and what to
+    do, and a non-zero exit. The main process never imports the app: its workers do."""
+    configure_logging(options.log_format, options.log_level)
     problem = options.problem()
     if problem is not None:
         print(f"tether serve: {problem}", file=sys.stderr)
         return 2
-    if options.checkpoint_root is not None:
-        os.makedirs(options.checkpoint_root, mode=0o700, exist_ok=True)
+    if options.env_file is not None:
+        dotenv.load_dotenv(options.env_file)
+    options = replace(options, app_dir=os.path.abspath(options.app_dir))
+    runtime_dir = None
     try:
-        app = import_app(options.app)
-        resolve_kind(app, options.sessions, options.close_window_s)
-    except AppError as error:
-        print(f"tether serve: {error}", file=sys.stderr)
-        return 2
-    try:
+        if options.checkpoint_root is not None:
+            try:
+                os.makedirs(options.checkpoint_root, mode=0o700, exist_ok=True)
+            except OSError as error:
+                raise StartupError(
+                    f"--checkpoint-root {options.checkpoint_root!r} cannot be made "
+                    f"({error.strerror}); pick a writable folder"
+                ) from None
+        _check_tls(options)
         runtime_dir = make_runtime_dir()
-    except RuntimeDirError as error:
+        token, token_path = resolve_token(
+            options.control_token_file, options.checkpoint_root, runtime_dir
+        )
+        listener = bind_listener(options)
+    except StartupError as error:
         print(f"tether serve: {error}", file=sys.stderr)
+        if runtime_dir is not None:
+            remove_runtime_dir(runtime_dir)
         return 2
     try:
-        return asyncio.run(_serve(options, runtime_dir))
+        with listener:
+            return asyncio.run(_serve(options, runtime_dir, listener, token, token_path))
     finally:
+        if options.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(options.uds)
         remove_runtime_dir(runtime_dir)
 
 
@@ -140,25 +164,30 @@ async def _restore_at_start(options: ServeOptions, coordinator: Coordinator) -> 
     return True
 
 
-async def _serve(options: ServeOptions, runtime_dir: str) -> int:
-    soft, _ = raise_open_file_limit()
-    token, token_path = resolve_token(
-        options.control_token_file, options.checkpoint_root, runtime_dir
-    )
-    try:
-        listener = bind_listener(options.host, options.port)
-    except OSError as error:
-        print(f"tether serve: cannot listen on {options.host}:{options.port}: {error}",
-              file=sys.stderr)
-        return 2
+def _url(options: ServeOptions, listener: socket.socket) -> str:
+    if options.uds is not None:
+        return f"unix:{options.uds}"
     host, port = listener.getsockname()[:2]
-    coordinator = Coordinator(options.workers, options.name, options.checkpoint_root)
+    where = f"[{host}]" if ":" in host else host
+    return f"{options.scheme}://{where}:{port}"
+
+
+async def _serve(
+    options: ServeOptions,
+    runtime_dir: str,
+    listener: socket.socket,
+    token: str,
+    token_path: str | None,
+) -> int:
+    soft, _ = raise_open_file_limit()
+    workers = options.worker_count
+    coordinator = Coordinator(workers, options.name, options.checkpoint_root)
     channels = ChannelServer(
         os.path.join(runtime_dir, COORDINATOR_SOCKET),
         coordinator.handler_for,
         on_channel=coordinator.on_channel,
     )
-    if options.workers > 1:
+    if workers > 1:
         coordinator.fleet = ChannelFleet(coordinator, runtime_dir)
         coordinator.checkpointer = Checkpointer(
             coordinator.fleet, name=options.name, root=options.checkpoint_root
@@ -170,17 +199,35 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
     await channels.start()
     stop = asyncio.Event()
     exit_code = 0
+    reported: list[str] = []
 
-    def fail(code: int) -> None:
+    def startup_failed(problem: str) -> None:
+        """A worker reported why it cannot start: before any worker ever started, the
+        app cannot start at all, so that is the server's one line."""
         nonlocal exit_code
-        log.error("worker_failed_to_start", code=code)
+        if coordinator.ever_registered:
+            log.error("worker_failed_to_start", problem=problem)
+            return
+        if not reported:
+            reported.append(problem)
+            print(f"tether serve: {problem}", file=sys.stderr, flush=True)
         exit_code = 1
         stop.set()
 
+    def exited_early(code: int) -> None:
+        nonlocal exit_code
+        if not reported:
+            reported.append(f"exit {code}")
+            print(f"tether serve: a worker exited with code {code} before it started; its "
+                  "output above says why", file=sys.stderr, flush=True)
+        exit_code = 1
+        stop.set()
+
+    coordinator.on_startup_failed = startup_failed
     settings = WorkerSettings(
         app=options.app,
         runtime_dir=runtime_dir,
-        workers=options.workers,
+        workers=workers,
         fd=listener.fileno(),
         token=token,
         sessions=options.sessions,
@@ -189,22 +236,29 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
         name=options.name,
         checkpoint_root=options.checkpoint_root,
         restore=options.restore,
+        app_dir=options.app_dir,
+        factory=options.factory,
+        lifespan=options.lifespan,
+        log_level=options.log_level,
+        access_log=options.access_log,
+        uvicorn=options.uvicorn_config(),
         server_secret=secrets.token_hex(32),
     )
     env = {**os.environ, CONFIG_ENV: settings.to_json()}
     supervisor = Supervisor(
-        options.workers,
+        workers,
         env,
         (listener.fileno(),),
         started=lambda: coordinator.ever_registered,
-        on_failure=fail,
+        on_failure=exited_early,
+        stop_timeout_s=options.timeout_graceful_shutdown + STOP_MARGIN_S,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         await supervisor.start()
-        ready = asyncio.create_task(coordinator.wait_for_workers(options.workers, START_TIMEOUT_S))
+        ready = asyncio.create_task(coordinator.wait_for_workers(workers, START_TIMEOUT_S))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if ready.done() and ready.result() and not await _restore_at_start(options, coordinator):
@@ -214,27 +268,31 @@ async def _serve(options: ServeOptions, runtime_dir: str) -> int:
             # A replacement worker starts empty; it must not restore the checkpoint again.
             replacements = replace(settings, restore=None)
             supervisor.set_env({**os.environ, CONFIG_ENV: replacements.to_json()})
-            where = f"[{host}]" if ":" in host else host
-            print(f"tether serving http://{where}:{port} with {options.workers} workers",
+            print(f"tether serving {_url(options, listener)} with {workers} workers",
                   flush=True)
             print(f"control token: {token_path or 'from $TETHER_CONTROL_TOKEN'}", flush=True)
-            log.info("serving", port=port, workers=options.workers, pids=supervisor.pids,
-                     open_files=soft, runtime_dir=runtime_dir)
+            port = None if options.uds is not None else listener.getsockname()[1]
+            log.info("serving", url=_url(options, listener), port=port, workers=workers,
+                     pids=supervisor.pids, open_files=soft, runtime_dir=runtime_dir)
         elif not stop.is_set():
-            log.error("workers_did_not_start", registered=len(coordinator.links))
+            print(f"tether serve: {len(coordinator.links)} of {workers} workers started "
+                  f"within {START_TIMEOUT_S:.0f} s; see their output above",
+                  file=sys.stderr, flush=True)
             exit_code = 1
             stop.set()
         await stopped
         ready.cancel()
         await asyncio.gather(ready, return_exceptions=True)
-        log.info("stopping")
+        if reported:
+            log.debug("stopping")
+        else:
+            log.info("stopping")
     finally:
         coordinator.stopping = True
         if coordinator.checkpointer is not None:
             await coordinator.checkpointer.stop()
         await supervisor.stop()
         await channels.close()
-        listener.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     return exit_code

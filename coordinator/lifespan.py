@@ -9,22 +9,31 @@ from starlette.types import ASGIApp, Message, Scope
 
 class AppLifespan:
     """Drives the wrapped app's lifespan: `startup()` before tether's own start-up,
-    `shutdown()` after tether's own shutdown. An app without lifespan support is fine."""
+    `shutdown()` after tether's own shutdown. `mode` is uvicorn's `--lifespan`: with
+    "auto" an app without lifespan support is fine, with "on" it fails, "off" skips it."""
 
-    def __init__(self, app: ASGIApp, scope: Scope) -> None:
+    def __init__(self, app: ASGIApp, scope: Scope, mode: str = "auto") -> None:
         self._app = app
         self._scope = scope
+        self._mode = mode
         self._to_app: asyncio.Queue[Message] = asyncio.Queue()
         self._from_app: asyncio.Queue[Message] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._supported = True
 
     async def startup(self) -> None:
+        if self._mode == "off":
+            return
         self._task = asyncio.create_task(self._run(), name="tether-app-lifespan")
         await self._to_app.put({"type": "lifespan.startup"})
         message = await self._from_app.get()
         if message["type"] == "lifespan.startup.failed":
-            raise RuntimeError(f"the app's startup failed: {message.get('message', '')}")
+            # Starlette sends the whole traceback; its last line names the error.
+            lines = [line for line in str(message.get("message", "")).splitlines() if line.strip()]
+            await asyncio.gather(self._task, return_exceptions=True)  # it re-raises: retrieved
+            raise RuntimeError(f"the app's lifespan start-up failed: {lines[-1] if lines else ''}")
+        if not self._supported and self._mode == "on":
+            raise RuntimeError("the app does not take lifespan events, which --lifespan on needs")
 
     async def shutdown(self) -> None:
         if self._task is None:

@@ -31,8 +31,10 @@ class Supervisor:
         pass_fds: tuple[int, ...],
         started: Callable[[], bool],
         on_failure: Callable[[int], None],
+        stop_timeout_s: float = STOP_TIMEOUT_S,
     ) -> None:
         self.count = count
+        self.stop_timeout_s = stop_timeout_s
         self._env = env
         self._pass_fds = pass_fds
         self._started = started
@@ -87,7 +89,7 @@ class Supervisor:
                 proc.send_signal(signal.SIGTERM)
         waits = [asyncio.create_task(proc.wait()) for proc in procs]
         if waits:
-            _, late = await asyncio.wait(waits, timeout=STOP_TIMEOUT_S)
+            _, late = await asyncio.wait(waits, timeout=self.stop_timeout_s)
             for proc in procs:
                 if proc.returncode is None:
                     log.error("worker_killed", pid=proc.pid)

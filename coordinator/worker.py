@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import socket
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +31,14 @@ from tether.checkpoint.fleet import LocalFleet
 from tether.checkpoint.participant import Held, Participant, declared_participant
 from tether.checkpoint.segments import IndexEntry, read_index
 from tether.checkpoint.store import resolve_latest
-from tether.coordinator.apps import Preset, import_app, resolve_kind
-from tether.coordinator.channel import Channel, connect
+from tether.coordinator.apps import AppError, Preset, import_app, resolve_kind
+from tether.coordinator.channel import Channel, ChannelLost, connect
 from tether.coordinator.lifespan import AppLifespan
 from tether.coordinator.runtime import COORDINATOR_SOCKET
 from tether.routing.errors import TetherError
 from tether.routing.kinds import SessionKind
 from tether.routing.logs import LogFormat, configure_logging
+from tether.routing.mcp import share_request_state_key
 from tether.routing.types import SessionId, WorkerId, worker_id_or_none
 from tether.routing.worker import RoutingWorker
 
@@ -46,6 +49,9 @@ REGISTER_TIMEOUT_S = 30.0
 RELAY_TIMEOUT_S = 120.0
 FORCE_EXIT_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 600.0
+REPORT_TIMEOUT_S = 5.0
+STARTUP_FAILED_EXIT = 3
+"""uvicorn's own exit code for a failed start-up."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,13 @@ class WorkerSettings:
     name: str | None = None
     checkpoint_root: str | None = None
     restore: str | None = None
+    app_dir: str = "."
+    factory: bool = False
+    lifespan: str = "auto"
+    log_level: str | None = None
+    access_log: bool = True
+    uvicorn: dict[str, Any] = field(default_factory=dict)
+    """The public server's `uvicorn.Config` keyword arguments (`ServeOptions.uvicorn_config`)."""
     server_secret: str = ""
     """Random per server run, the same in every worker: for what must agree across
     workers but is per-process in a library (the MCP SDK's request-state key)."""
@@ -89,6 +102,8 @@ class TetherWorker:
             runtime_dir=settings.runtime_dir if settings.workers > 1 else None,
             control=ControlApp(settings.token, self._control),
             admission=self.participant,
+            access_log=settings.access_log,
+            drain_s=settings.uvicorn.get("timeout_graceful_shutdown"),
         )
         self.participant.worker = self.routing.id
         self.checkpointer: Checkpointer | None = None
@@ -118,7 +133,7 @@ class TetherWorker:
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         await receive()
-        app_lifespan = AppLifespan(self.app, scope)
+        app_lifespan = AppLifespan(self.app, scope, self.settings.lifespan)
         try:
             await app_lifespan.startup()
             await self.routing.start()
@@ -127,9 +142,13 @@ class TetherWorker:
                 await self._restore()
             await self._register()
         except Exception as error:
-            log.exception("worker_start_failed")
+            problem = str(error) if isinstance(error, RuntimeError) else repr(error)
+            log.debug("worker_start_failed", exc_info=True)
             await self._stop_routing()
-            await send({"type": "lifespan.startup.failed", "message": str(error)})
+            await report_startup_failure(self.settings, f"a worker could not start: {problem}")
+            # The main process prints the one line; uvicorn would add its own.
+            logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+            await send({"type": "lifespan.startup.failed", "message": problem})
             return
         await send({"type": "lifespan.startup.complete"})
         await receive()
@@ -357,21 +376,48 @@ class _CoordinatorRecords:
         })
 
 
+async def report_startup_failure(settings: WorkerSettings, problem: str) -> None:
+    """Tell the main process why this worker cannot start, so it prints one line; if the
+    coordinator cannot be reached, print the line here instead."""
+    path = os.path.join(settings.runtime_dir, COORDINATOR_SOCKET)
+    try:
+        channel = await connect(path, _refuse_calls, name="worker-starting")
+        try:
+            await channel.request("startup_failed", {"problem": problem},
+                                  timeout=REPORT_TIMEOUT_S)
+        finally:
+            await channel.close()
+    except (OSError, ChannelLost, TetherError, TimeoutError):
+        print(f"tether serve: {problem}", file=sys.stderr, flush=True)
+
+
+async def _refuse_calls(kind: str, body: Any) -> Any:
+    raise TetherError("invalid_request", "this worker is not registered")
+
+
 def main() -> None:
     settings = WorkerSettings.from_json(os.environ[CONFIG_ENV])
-    app = import_app(settings.app)
-    kind = resolve_kind(app, settings.sessions, settings.close_window_s)
+    configure_logging(settings.log_format, settings.log_level)
+    if settings.sessions == "mcp":
+        # Before the app is imported: the 2.x SDK picks its requestState key when the app
+        # builds its MCPServer, at import.
+        share_request_state_key(settings.server_secret)
+    try:
+        app = import_app(settings.app, settings.app_dir, settings.factory)
+        kind = resolve_kind(app, settings.sessions, settings.close_window_s)
+    except AppError as error:
+        asyncio.run(report_startup_failure(settings, str(error)))
+        sys.exit(STARTUP_FAILED_EXIT)
     worker = TetherWorker(app, kind, settings)
-    configure_logging(settings.log_format, worker_id=worker.id)
+    configure_logging(settings.log_format, settings.log_level, worker_id=worker.id)
     listener = socket.socket(fileno=settings.fd)
     config = uvicorn.Config(
         worker,
-        lifespan="on",
-        access_log=False,
+        **settings.uvicorn,
+        lifespan="on",  # tether's own start-up; the app's follows --lifespan (AppLifespan)
+        access_log=False,  # the router logs each request once
         log_config=None,
-        http="httptools",
-            interface="asgi3",
-        timeout_graceful_shutdown=20,
+        interface="asgi3",
     )
     worker.server = uvicorn.Server(config)
     worker.server.run(sockets=[listener])

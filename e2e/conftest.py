@@ -4,16 +4,22 @@ each test (nothing of the group may be left)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import pytest
 
-from e2e.harness import Server, start_server
+from e2e.harness import REPO, Server, start_server
 
 
 class Serve(Protocol):
     def __call__(
-        self, app: str, workers: int, *extra: str, env: Mapping[str, str] | None = None
+        self,
+        app: str,
+        workers: int,
+        *extra: str,
+        env: Mapping[str, str] | None = None,
+        cwd: Path = REPO,
     ) -> Server: ...
 
 
@@ -23,8 +29,14 @@ def serve() -> Iterator[Serve]:
     group if it must, and fail if any process of the group was left."""
     servers: list[Server] = []
 
-    def start(app: str, workers: int, *extra: str, env: Mapping[str, str] | None = None) -> Server:
-        server = start_server(app, workers, *extra, env=env)
+    def start(
+        app: str,
+        workers: int,
+        *extra: str,
+        env: Mapping[str, str] | None = None,
+        cwd: Path = REPO,
+    ) -> Server:
+        server = start_server(app, workers, *extra, env=env, cwd=cwd)
         servers.append(server)
         return server
 

@@ -76,7 +76,7 @@ SPEC_ERRORS = {
     "unsupported_topology": 409,
 }
 
-_SERVING = re.compile(r"tether serving (http://\S+) with (\d+) workers")
+_SERVING = re.compile(r"tether serving (\S+) with (\d+) workers")
 
 T = TypeVar("T")
 
@@ -119,14 +119,20 @@ def tether_command() -> list[str]:
     return [sys.executable, "-c", "from tether.coordinator.cli import main; main()"]
 
 
-def run_tether(*args: str, timeout: float = READY_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """Run `tether ARGS` from the repo root to completion (for commands that should exit)."""
+def run_tether(
+    *args: str,
+    timeout: float = READY_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    cwd: Path = REPO,
+) -> subprocess.CompletedProcess[str]:
+    """Run `tether ARGS` (from the repo root by default) to completion, for commands that
+    should exit; `env` is added to this process's environment."""
     base = tempfile.mkdtemp(prefix="te-", dir="/tmp")
     try:
         return subprocess.run(
             [*tether_command(), *args],
-            cwd=REPO,
-            env={**os.environ, "XDG_RUNTIME_DIR": base},
+            cwd=cwd,
+            env={**os.environ, "XDG_RUNTIME_DIR": base, **(env or {})},
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -159,7 +165,7 @@ class Server:
 
     @property
     def host_port(self) -> tuple[str, int]:
-        host, _, port = self.url.removeprefix("http://").rpartition(":")
+        host, _, port = self.url.split("://", 1)[-1].rpartition(":")
         return host, int(port)
 
     def stderr(self) -> str:
@@ -258,14 +264,12 @@ class Server:
                     f"tether serve printed no URL within {timeout} s:\n{self.stderr()[-5000:]}"
                 )
             time.sleep(0.05)
-        while True:
-            serving = [line for line in self.logs() if line.get("event") == "serving"]
-            if serving:
-                self.runtime_dir = Path(serving[0]["runtime_dir"])
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no 'serving' log line:\n{self.stderr()[-5000:]}")
-            time.sleep(0.05)
+        # The runtime directory is the one `tether-*` directory in the XDG_RUNTIME_DIR
+        # this server was given (its logs say so too, unless --log-level hides them).
+        made = sorted((self.base / "rt").glob("tether-*"))
+        if len(made) != 1:
+            raise RuntimeError(f"expected one runtime directory, found {made}")
+        self.runtime_dir = made[0]
 
     def shutdown(self) -> list[str]:
         """Stop the group (SIGTERM, then SIGKILL if it must) and remove its files;
@@ -304,9 +308,11 @@ def start_server(
     *extra: str,
     env: Mapping[str, str] | None = None,
     timeout: float = READY_TIMEOUT_S,
+    cwd: Path = REPO,
 ) -> Server:
     """Start `tether serve APP --workers N --port 0 --log-format json EXTRA...` in its own
-    process group, in a short temp dir, and wait until it prints its URL."""
+    process group (from `cwd`, the repository by default), its files in a short temp
+    dir, and wait until it prints its URL."""
     base = Path(tempfile.mkdtemp(prefix="te-", dir="/tmp"))
     runtime_base = base / "rt"
     runtime_base.mkdir(mode=0o700)
@@ -332,7 +338,7 @@ def start_server(
     with open(base / "stdout", "wb") as out, open(base / "stderr", "ab") as err:
         proc = subprocess.Popen(
             command,
-            cwd=REPO,
+            cwd=cwd,
             env=full_env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -421,14 +427,23 @@ class Reply:
 
 class Http:
     """An HTTP client that opens a new connection for every request and keeps no
-    cookies: each session sends its own `cookie` header."""
+    cookies: each session sends its own `cookie` header. `base_url` may be `https://`
+    (any certificate is accepted) or `unix:PATH` (a server on `--uds`)."""
 
     def __init__(self, base_url: str, limit: int = CONCURRENCY) -> None:
         self.base_url = base_url
         self.replies: list[Reply] = []
+        connector: aiohttp.BaseConnector
+        if base_url.startswith("unix:"):
+            connector = aiohttp.UnixConnector(
+                base_url.removeprefix("unix:"), force_close=True, limit=limit
+            )
+            base_url = "http://localhost"
+        else:
+            connector = aiohttp.TCPConnector(force_close=True, limit=limit, ssl=False)
         self._session = aiohttp.ClientSession(
             base_url,
-            connector=aiohttp.TCPConnector(force_close=True, limit=limit),
+            connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
         )

@@ -156,6 +156,12 @@ class WorkerClaims:
         if session_id in self._mine:
             self.lifetimes.ended(session_id, self.clock())
 
+    def renamed(self, old: SessionId, new: SessionId) -> None:
+        """A handler here rotated session `old` to `new`, both claimed here: `new` keeps
+        `old`'s lifetime and `old` lasts one close window more, as a closed session."""
+        if old in self._mine and new in self._mine:
+            self.lifetimes.renamed(old, new, self.clock())
+
     def in_progress(self, session_id: SessionId) -> bool:
         return session_id in self._serving
 

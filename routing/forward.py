@@ -24,6 +24,8 @@ from urllib.parse import quote
 import httptools
 from starlette.types import Receive, Scope, Send
 
+from tether.routing.hop import HOP_HEADER
+
 __all__ = ["ClaimantGone", "ClaimantUnavailable", "Forwarder"]
 
 HOP_BY_HOP = frozenset(
@@ -38,8 +40,9 @@ HOP_BY_HOP = frozenset(
     }
 )
 # The receiving server answers `expect: 100-continue` when the body is first read; passed
-# on, it would make the claimant send an interim 100 reply too.
-_NOT_FORWARDED = HOP_BY_HOP | {b"expect"}
+# on, it would make the claimant send an interim 100 reply too. A client's copy of the
+# hop header is never passed on: only the forwarder writes it (hop.py).
+_NOT_FORWARDED = HOP_BY_HOP | {b"expect", HOP_HEADER}
 _CONNECTION_TOKENS = frozenset({b"close", b"keep-alive", b"upgrade", b""})
 
 _RETRY_LIMIT = 1 << 20  # body bytes kept so a dead kept-alive connection can be retried
@@ -319,11 +322,13 @@ class Forwarder:
         receive: Receive,
         send: Send,
         body: bytes | None = None,
+        hop: bytes | None = None,
     ) -> None:
         """Forward one http request to the claimant at `socket_path` and stream its reply.
 
         `body`, if given, is the whole request body, already read by the caller; `receive`
-        is then only watched for the client's disconnect. Raises `ClaimantGone` or
+        is then only watched for the client's disconnect. `hop`, if given, is sent as the
+        request's last header, `x-tether-hop` (hop.py). Raises `ClaimantGone` or
         `ClaimantUnavailable` before anything was sent to `send`; returns quietly if the
         client disconnects.
         """
@@ -352,6 +357,8 @@ class Forwarder:
         elif length_at < 0:
             chunked = True
             parts.append(b"transfer-encoding: chunked\r\n")
+        if hop is not None:
+            parts += (HOP_HEADER, b": ", hop, b"\r\n")  # last: the private side pops it
         parts.append(b"\r\n")
         head = b"".join(parts)
 

@@ -155,6 +155,8 @@ class SessionKind:
     close_follows_header: str = CLOSE_FOLLOWS_HEADER
     close_window_s: float = DEFAULT_CLOSE_WINDOW_S
     gone_as_jsonrpc: bool = False
+    """Send every error the router makes as a JSON-RPC error body, a gone session as 404
+    (the MCP preset; `routing/mcp.py` has the bodies)."""
     mints: bool = True
     release: Release | None = field(default=None, compare=False)
     holder: SessionHolder | None = field(default=None, compare=False)

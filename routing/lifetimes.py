@@ -53,6 +53,14 @@ class Lifetimes:
         self._open.discard(session_id)
         self._expire_at(session_id, now + self.window_s)
 
+    def renamed(self, old: SessionId, new: SessionId, now: float) -> None:
+        """The app renamed a session (rotated its ID): `new` is open if `old` was, and
+        `old` ends as a closed session does, `window_s` from now."""
+        if old in self._open:
+            self._open.add(new)
+            self._deadline.pop(new, None)
+        self.ended(old, now)
+
     def forget(self, session_id: SessionId) -> None:
         self._open.discard(session_id)
         self._deadline.pop(session_id, None)

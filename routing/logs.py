@@ -1,4 +1,6 @@
-"""structlog set-up, run in each worker after it starts (spawned workers start bare)."""
+"""structlog set-up, run in each worker after it starts (spawned workers start bare) and
+in the main process. Standard-library loggers (uvicorn's, the app's) are rendered by the
+same processors, so one format holds for every line."""
 
 from __future__ import annotations
 
@@ -9,33 +11,79 @@ from typing import Literal
 import structlog
 
 LogFormat = Literal["console", "json"]
+TRACE = 5
+LOG_LEVELS: dict[str, int] = {
+    "critical": logging.CRITICAL,
+    "error": logging.ERROR,
+    "warning": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": TRACE,
+}
+_HANDLER_NAME = "tether"
+_UVICORN_STARTUP = ("Started server process", "Waiting for application startup",
+                    "Application startup complete")
+
+
+def _not_uvicorn_startup(record: logging.LogRecord) -> bool:
+    """uvicorn's start-up lines say what tether's `worker_registered` says; below debug
+    they would only add lines, and a start-up failure must print one."""
+    return not (isinstance(record.msg, str) and record.msg.startswith(_UVICORN_STARTUP))
 
 
 def default_format() -> LogFormat:
     return "console" if sys.stderr.isatty() else "json"
 
 
-def configure_logging(log_format: LogFormat | None = None, **bound: str) -> None:
-    """Log through structlog to stderr, console on a terminal and JSON otherwise."""
+def configure_logging(
+    log_format: LogFormat | None = None, level: str | None = None, **bound: str
+) -> None:
+    """Log through structlog to stderr, console on a terminal and JSON otherwise, at
+    `level` (uvicorn's names; default info), uvicorn's own loggers included."""
     renderer: structlog.types.Processor
     if (log_format or default_format()) == "json":
         renderer = structlog.processors.JSONRenderer()
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    threshold = LOG_LEVELS[level or "info"]
+    shared: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
         # One write per record: workers share stderr, and a record split over two
         # writes (text, then newline) interleaves with another worker's.
         logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(threshold, logging.INFO))  # other libraries' debug lines stay out
+    for name in ("uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(threshold)
+    startup = logging.getLogger("uvicorn.error")
+    startup.removeFilter(_not_uvicorn_startup)
+    if threshold > logging.DEBUG:
+        startup.addFilter(_not_uvicorn_startup)
     structlog.contextvars.clear_contextvars()
     if bound:
         structlog.contextvars.bind_contextvars(**bound)

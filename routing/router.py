@@ -19,8 +19,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tether.routing.claims import WorkerClaims
 from tether.routing.errors import TetherError, send_error, send_json
 from tether.routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
+from tether.routing.hop import hop_value, strip_hop, take_hop
 from tether.routing.kinds import SessionKind
 from tether.routing.lifetimes import Role
+from tether.routing.mcp import send_jsonrpc_error
 from tether.routing.sources import Found, body_session_id, find, read_body, replay
 from tether.routing.tables import Tables
 from tether.routing.types import SessionId, WorkerId, new_session_id, session_id_or_none
@@ -78,7 +80,7 @@ class Router:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if scope["path"].startswith(CONTROL_PREFIX):
+        if route_path(scope).startswith(CONTROL_PREFIX):
             await self._control(scope, receive, send)
             return
         if not self.access_log:
@@ -111,6 +113,7 @@ class Router:
             await self.app(scope, receive, send)
             return
         self.stats.served_forwarded += 1
+        take_hop(scope)  # the caller as the receiving worker saw it
         await self._route(scope, receive, send, forwarded=True)
 
     def ended(self, session_id: SessionId) -> None:
@@ -127,12 +130,14 @@ class Router:
     async def _route(self, scope: Scope, receive: Receive, send: Send, forwarded: bool) -> None:
         kind = self.kind
         found = find(kind, scope)
+        if found.hop:
+            strip_hop(scope)  # a client's forgery: only our forwarder may send one
         body: bytes | None = None
-        if kind is not None and (scope["method"], scope["path"]) in kind.body_routes:
+        if kind is not None and (scope["method"], route_path(scope)) in kind.body_routes:
             try:
                 body = await read_body(receive, found.content_length)
             except TetherError as error:
-                await send_error(send, error)
+                await self._refuse(send, error)
                 return
             if body is None:
                 return  # the client left before its body arrived
@@ -140,7 +145,7 @@ class Router:
             body_id = body_session_id(kind, body)
             if body_id is not None:
                 if found.session_id is not None and found.session_id != body_id:
-                    await send_error(
+                    await self._refuse(
                         send,
                         TetherError(
                             "session_mismatch",
@@ -156,7 +161,7 @@ class Router:
         if session_id is None:
             target = self.worker if forwarded else self._named_worker(found.worker)
             if target is None:
-                await send_error(send, TetherError("worker_gone", f"worker {found.worker}"))
+                await self._refuse(send, TetherError("worker_gone", f"worker {found.worker}"))
             elif target == self.worker:
                 await self._serve(None, found, scope, receive, send)
             else:
@@ -198,36 +203,38 @@ class Router:
         gone: str,
     ) -> None:
         if self.forwarder is None or self.socket_path is None:
-            await send_error(send, TetherError("worker_gone", f"worker {owner}"))
+            await self._refuse(send, TetherError("worker_gone", f"worker {owner}"))
             return
         self.stats.forwarded += 1
         try:
-            await self.forwarder.forward(self.socket_path(owner), scope, receive, send, body)
+            await self.forwarder.forward(
+                self.socket_path(owner), scope, receive, send, body, hop_value(scope)
+            )
         except ClaimantGone:
             self.forwarder.discard(self.socket_path(owner))
             if gone == "worker_gone":
-                await send_error(send, TetherError("worker_gone", f"worker {owner}"))
+                await self._refuse(send, TetherError("worker_gone", f"worker {owner}"))
             else:
                 await self._gone(send, scope.get(SCOPE_KEY))
         except ClaimantUnavailable as error:
-            await send_error(
+            await self._refuse(
                 send, TetherError("claimant_unavailable", str(error)), headers=RETRY_AFTER
             )
 
     async def _gone(self, send: Send, session_id: SessionId | None) -> None:
-        error = TetherError("session_gone", f"the worker of session {session_id!r} exited")
+        await self._refuse(
+            send, TetherError("session_gone", f"the worker of session {session_id!r} exited")
+        )
+
+    async def _refuse(
+        self, send: Send, error: TetherError, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
+        """Answer with an error the router made: as the kind's protocol wants it (a
+        JSON-RPC error body under the MCP preset), else as tether's JSON."""
         if self.kind is not None and self.kind.gone_as_jsonrpc:
-            await send_json(
-                send,
-                404,
-                {
-                    "jsonrpc": "2.0",
-                    "id": None,
-                    "error": {"code": -32001, "message": "Session not found", "data": error.body()},
-                },
-            )
+            await send_jsonrpc_error(send, error, headers)
         else:
-            await send_error(send, error)
+            await send_error(send, error, headers)
 
     async def _serve(
         self,
@@ -241,7 +248,7 @@ class Router:
         leave = None
         if self.admission is not None:
             kind = self.kind
-            request = (scope["method"], scope["path"])
+            request = (scope["method"], route_path(scope))
             try:
                 leave = await self.admission.enter(
                     session_id,
@@ -249,7 +256,7 @@ class Router:
                     background=kind is not None and request in kind.background_routes,
                 )
             except TetherError as error:
-                await send_error(send, error, headers=RETRY_AFTER)
+                await self._refuse(send, error, headers=RETRY_AFTER)
                 return
         try:
             await self._serve_admitted(session_id, found, scope, receive, send)
@@ -276,7 +283,7 @@ class Router:
                 return
             session_id = new_session_id()
             minted = True
-        request = (scope["method"], scope["path"])
+        request = (scope["method"], route_path(scope))
         role: Role = "other"
         if request in kind.start_routes:
             role = "start"
@@ -290,7 +297,7 @@ class Router:
             if role == "start" or request in kind.close_routes or placed:
                 owner = claims.claim(session_id)
                 if owner != self.worker:
-                    await send_error(send, _conflict(session_id, owner))
+                    await self._refuse(send, _conflict(session_id, owner))
                     return
         if kind.cookie is not None and found.cookie_id != session_id:
             scope = _with_session_cookie(scope, kind, found, session_id)
@@ -306,6 +313,9 @@ class Router:
                     claims.drop(session_id)  # no cookie named it, so nobody can
                 if session.reply_id is not None:
                     claims.end(session.reply_id, "start", session.ok)
+                if session.rotated_id is not None:
+                    claims.end(session.rotated_id, "other", session.ok)
+                    claims.renamed(session_id, session.rotated_id)
 
     async def _serve_with_reply_header(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A request with no session, for a kind whose app names sessions in its reply."""
@@ -320,6 +330,19 @@ class Router:
         finally:
             if session.reply_id is not None:
                 self.claims.end(session.reply_id, "start", session.ok)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app's routes match: `path` less the `root_path` uvicorn put in front
+    of it (`--root-path`), as Starlette's router reads it."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        if path == root:
+            return ""
+        if path[len(root)] == "/":
+            return path[len(root) :]
+    return path
 
 
 def worker_of(scope: Scope) -> str | None:
@@ -337,7 +360,8 @@ def ended(scope: Scope, session_id: str) -> None:
 
 
 class _Served:
-    """One request served here: claims its session at the reply's first byte if used."""
+    """One request served here: claims its session at the reply's first byte if used, and
+    the new ID if the handler rotated it."""
 
     def __init__(
         self, router: Router, session_id: SessionId | None, role: Role, minted: bool
@@ -348,6 +372,7 @@ class _Served:
         self.minted = minted
         self.ok = False
         self.reply_id: SessionId | None = None
+        self.rotated_id: SessionId | None = None
         self.refused = False
 
     def wrap(self, scope: Scope, send: Send) -> Send:
@@ -358,7 +383,7 @@ class _Served:
                 error = await self._on_start(scope, message)
                 if error is not None:
                     self.refused = True
-                    await send_error(send, error)
+                    await self.router._refuse(send, error)
                     return
             await send(message)
 
@@ -374,12 +399,25 @@ class _Served:
         used = bool(getattr(session, "accessed", False))
         sid = self.session_id
         claims = router.claims
+        rotated = _rotated(kind, sid, session, message) if claims is not None else None
         evidence = used or (sid is not None and kind.holder is not None and kind.holder.holds(sid))
+        # A minted ID the handler replaced was never named by a cookie: nothing to claim.
+        if rotated is not None and self.minted:
+            evidence = False
         if sid is not None and claims is not None and evidence and not claims.mine(sid):
             owner = claims.claim(sid)
             if owner != router.worker:
                 await _release(kind, sid)
+                if rotated is not None:
+                    await _release(kind, rotated)
                 return _conflict(sid, owner)
+        if rotated is not None and claims is not None:
+            owner = claims.claim(rotated)
+            if owner != router.worker:
+                await _release(kind, rotated)
+                return _conflict(rotated, owner)
+            self.rotated_id = rotated
+            claims.begin(rotated)
         if kind.reply_header is not None and claims is not None:
             named = _header(message, kind.reply_header.encode())
             reply_id = session_id_or_none(named)
@@ -404,6 +442,26 @@ class _Served:
                 cookie = {**base, kind.cookie_key: sid}
                 message["headers"] = [*headers, (b"set-cookie", kind.cookie.set_cookie(cookie))]
         return None
+
+
+def _rotated(
+    kind: SessionKind, sid: SessionId | None, session: Any, message: Message
+) -> SessionId | None:
+    """The new ID the handler set in the session (rotation), or None. It counts once the
+    reply carries the app's own session cookie, which then names it: a reply without one
+    (an error page sent past `SessionMiddleware`) leaves the client with the old ID."""
+    if kind.cookie is None or sid is None or not getattr(session, "modified", False):
+        return None
+    if not isinstance(session, dict):
+        return None
+    new = session_id_or_none(session.get(kind.cookie_key))
+    if new is None or new == sid:
+        return None
+    prefix = kind.cookie.name.encode() + b"="
+    for name, value in message.get("headers", ()):
+        if name.lower() == b"set-cookie" and value.startswith(prefix):
+            return new
+    return None
 
 
 def _conflict(session_id: SessionId, owner: WorkerId) -> TetherError:

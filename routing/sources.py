@@ -15,6 +15,7 @@ from starlette.requests import cookie_parser
 from starlette.types import Message, Receive, Scope
 
 from tether.routing.errors import TetherError
+from tether.routing.hop import HOP_HEADER
 from tether.routing.kinds import WORKER_HEADER, SessionKind
 from tether.routing.types import SessionId, session_id_or_none
 
@@ -31,6 +32,8 @@ class Found:
     worker: str | None = None
     close_follows: bool = False
     content_length: int | None = None
+    hop: bool = False
+    """The request carries a hop header (on the public port, a client's forgery)."""
 
 
 def find(kind: SessionKind | None, scope: Scope) -> Found:
@@ -49,6 +52,8 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
             found.content_length = int(value) if value.isdigit() else None
         elif name == WORKER_HEADER_BYTES:
             found.worker = value.decode("latin-1")
+        elif name == HOP_HEADER:
+            found.hop = True
         elif kind is None:
             continue
         elif name == kind_header and header_id is None:

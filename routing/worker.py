@@ -54,8 +54,11 @@ class RoutingWorker:
         control: ASGIApp | None = None,
         admission: Admission | None = None,
         access_log: bool = True,
+        drain_s: int | None = PRIVATE_DRAIN_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`drain_s`: how long a stopping worker lets forwarded requests run (None: as
+        long as they take), as `--timeout-graceful-shutdown` does for its own."""
         self.id = worker or new_worker_id()
         self.runtime_dir = runtime_dir
         self.tables = Tables([self.id])
@@ -88,7 +91,7 @@ class RoutingWorker:
             self.private = PrivateServer(
                 self.router.serve_forwarded,
                 self.socket_path(self.id),
-                timeout_graceful_shutdown=PRIVATE_DRAIN_S,
+                timeout_graceful_shutdown=drain_s,
             )
 
     def socket_path(self, worker: WorkerId) -> str:

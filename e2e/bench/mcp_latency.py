@@ -4,13 +4,15 @@ Run from the repository root (about 30 seconds)::
 
     .venv/bin/python -m e2e.bench.mcp_latency [--rounds 2000] [--warmup 200]
 
-It starts `tether serve examples.mcp_counter:app --workers 2 --sessions mcp --port 0`
-(the router's access log on, JSON lines to a file, as users run it), then opens kept-alive
-connections until two were accepted by different workers. A session initialized on a
-connection is held by the worker that accepted it, so with session S initialized on
-connection D (worker 1), and connection F accepted by worker 2, it times the streamable
-HTTP `tools/call` of `get` for S, and for scale the app's tiny `GET /health`, sent to
-worker 1 by `x-tether-worker` (a request naming no session goes to the worker it names).
+It starts `tether serve <the MCP counter> --workers 2 --sessions mcp --port 0`, the
+reference app written for the installed SDK line (`examples/mcp_counter.py` on 2.x,
+`examples/mcp_counter_v1.py` on 1.x), with the router's access log on, JSON lines to a
+file, as users run it; then it opens kept-alive connections until two were accepted by
+different workers. A session initialized on a connection is held by the worker that
+accepted it, so with session S initialized on connection D (worker 1), and connection F
+accepted by worker 2, it times the streamable HTTP `tools/call` of `get` for S, and for
+scale the app's tiny `GET /health`, sent to worker 1 by `x-tether-worker` (a request
+naming no session goes to the worker it names).
 Each round sends one of each, in an order that rotates every round:
 
     direct            `get` for S on D: the receiving worker holds the session, no hop
@@ -47,11 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from e2e.bench import machine, stop
+from tether.examples import mcp_counter_app
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "e2e" / "bench" / "results" / "mcp.json"
 COMMAND = ".venv/bin/python -m e2e.bench.mcp_latency"
-APP = "tether.examples.mcp_counter:app"
+APP = mcp_counter_app()
 VARIANTS = ("direct", "forwarded", "health direct", "health forwarded")
 PROTOCOL = "2025-06-18"
 START_TIMEOUT_S = 60.0
@@ -358,7 +361,7 @@ def _announced_port(out_path: str, process: subprocess.Popen[bytes]) -> int:
     raise RuntimeError(f"tether serve did not start within {START_TIMEOUT_S} s")
 
 
-PACKAGES = ("mcp", "uvicorn", "starlette", "httptools", "uvloop", "sse-starlette")
+PACKAGES = ("mcp", "mcp-types", "uvicorn", "starlette", "httptools", "uvloop", "sse-starlette")
 
 
 

@@ -57,8 +57,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tether.checkpoint.inprocess import in_process
-from tether.checkpoint.participant import Participant, declare_participant
+from tether import Participant, SessionKind, declare, declare_participant, in_process
 
 STATE_VERSION = "bench/1"
 DIGEST_MODULUS = 1 << 256
@@ -275,6 +274,9 @@ def create_app() -> Starlette:
         ],
         lifespan=lifespan,
     )
+    # The bench fills its sessions in bulk; a request would name one in this header.
+    kind = SessionKind(header="x-bench-session", token_header=None)
+    declare(app, kind)
     declare_participant(app, participant)
     return app
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 from typing import Any
 
 from starlette.applications import Starlette
@@ -53,6 +54,32 @@ def session_app(**kind_options: Any) -> Starlette:
     async def plain(request: Request) -> JSONResponse:
         return JSONResponse({"worker": worker_of(request.scope)})
 
+    async def whoami(request: Request) -> JSONResponse:
+        # What a handler learns of its caller; never touches the session.
+        scope = request.scope
+        return JSONResponse(
+            {
+                "worker": worker_of(scope),
+                "client": scope["client"],
+                "server": scope["server"],
+                "scheme": scope["scheme"],
+                "root_path": scope["root_path"],
+                "path": scope["path"],
+                "raw_path": scope["raw_path"].decode("latin-1"),
+                "url_for": str(request.url_for("whoami")),
+                "headers": [name.decode("latin-1") for name, _ in scope["headers"]],
+            }
+        )
+
+    async def login(request: Request) -> JSONResponse:
+        # Rotates the session ID, as a login should, and moves the state to the new ID.
+        old = request.session["session_id"]
+        new = request.query_params.get("to") or secrets.token_hex(16)
+        if old in state:
+            state[new] = state.pop(old)
+        request.session["session_id"] = new
+        return JSONResponse({"old": old, "new": new, "worker": worker_of(request.scope)})
+
     async def echo(request: Request) -> JSONResponse:
         return JSONResponse(
             {
@@ -70,6 +97,8 @@ def session_app(**kind_options: Any) -> Starlette:
             Route("/write", write, methods=["POST"]),
             Route("/health", plain),
             Route("/echo", echo, methods=["GET", "POST"]),
+            Route("/whoami", whoami, name="whoami"),
+            Route("/login", login, methods=["POST"]),
         ],
         middleware=[Middleware(SessionMiddleware, secret_key=SECRET, max_age=3600)],
     )

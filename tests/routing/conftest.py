@@ -55,7 +55,10 @@ class Cluster:
         kind: SessionKind | None = None,
         single: bool = False,
         access_log: bool = False,
+        root_path: str = "",
     ) -> Node:
+        """Start a worker; its public server trusts proxy headers from 127.0.0.1 and serves
+        under `root_path` (uvicorn's `--root-path`)."""
         routing = RoutingWorker(
             app,
             kind=kind or declared_kind(app),
@@ -69,7 +72,7 @@ class Cluster:
         listener.listen(1024)
         config = uvicorn.Config(
             routing.router, lifespan="off", access_log=False, log_config=None, http="httptools",
-            interface="asgi3"
+            interface="asgi3", root_path=root_path, forwarded_allow_ips="127.0.0.1",
         )
         config.load()
         server = uvicorn.Server(config)

@@ -96,6 +96,28 @@ def test_ended_closes_an_open_session(short_tmp: object) -> None:
     assert claims.sweep() == [S]
 
 
+def test_rotated_session_keeps_its_lifetime_and_its_old_id_ends_as_closed(
+    short_tmp: object,
+) -> None:
+    new = SessionId("s2")
+    for opened in (True, False):
+        claims, clock = make(short_tmp, window=10.0)
+        serve(claims, "start" if opened else "other")
+        claims.claim(new)
+        claims.begin(new)
+        clock.now += 5
+        claims.end(new, "other", True)  # as the router records the rotating request
+        claims.renamed(S, new)
+        clock.now += 9.9
+        assert claims.sweep() == []
+        clock.now += 0.2
+        assert claims.sweep() == ([S] if opened else [S, new])
+        clock.now += 10_000
+        assert claims.sweep() == []
+        assert claims.mine(new) is opened
+        claims.drop(new)
+
+
 def test_claim_is_not_released_while_a_request_is_in_progress(short_tmp: object) -> None:
     claims, clock = make(short_tmp)
     serve(claims, "end")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 
+from e2e.harness import eventually
 from tests.routing.apps import header_app, session_app
 from tests.routing.conftest import Cluster
 from tether.routing.kinds import SessionKind
@@ -262,3 +263,83 @@ async def test_declared_header_and_query_kinds_route_by_them(cluster: Cluster) -
                 assert where.json()["worker"] == a.id
         await cluster.kill(a)
         await cluster.kill(b)
+
+
+def session_cookies(reply: httpx.Response) -> list[str]:
+    """The `session=` values a reply sets."""
+    return [
+        header.split(";", 1)[0].removeprefix("session=")
+        for header in reply.headers.get_list("set-cookie")
+        if header.startswith("session=")
+    ]
+
+
+async def test_login_that_rotates_the_session_id_keeps_the_session_on_its_holder(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app(close_window_s=0.3))
+    b = await cluster.add(session_app(close_window_s=0.3))
+    c = await cluster.add(session_app(close_window_s=0.3))
+    assert a.routing.claims is not None and c.routing.claims is not None
+    old = SessionId("before-login")
+    async with a.client() as ca:
+        seeded = await ca.post("/seed_session", json={"session_id": old})
+        ca.cookies = seeded.cookies
+        assert (await ca.get("/touch")).json()["n"] == 1
+    async with b.client(cookies=seeded.cookies) as cb:
+        login = await cb.post("/login")  # forwarded to a, which rotates the ID
+    assert login.status_code == 200, login.text
+    new = SessionId(login.json()["new"])
+    assert login.json()["worker"] == a.id
+    (value,) = session_cookies(login)  # the app's own cookie, and no second one
+    kind = a.routing.router.kind
+    assert kind is not None and kind.cookie is not None
+    assert (kind.cookie.decode(value) or {})["session_id"] == new
+    assert c.routing.claims.lookup(new) == a.id  # claimed before the reply left a
+
+    for count, node in enumerate((b, c, a, b), start=2):
+        async with node.client(cookies=login.cookies) as client:
+            touched = await client.get("/touch")
+        assert touched.json() == {"session_id": new, "n": count, "worker": a.id}
+    assert a.routing.claims.lifetimes.is_open(new)  # a seeded session stays open renamed
+    assert not a.routing.claims.lifetimes.is_open(old)
+    # The old ID ends as a closed session: its claim goes one window later; the new stays.
+    await eventually(lambda: c.routing.claims.lookup(old) is None, 10, "the old claim ends")
+    assert c.routing.claims.lookup(new) == a.id
+
+
+async def test_rotating_a_minted_id_claims_only_the_new_one(cluster: Cluster) -> None:
+    a = await cluster.add(session_app())
+    b = await cluster.add(session_app())
+    async with b.client() as cb:
+        login = await cb.post("/login", params={"to": "fresh-login"})  # no cookie: minted
+    assert login.status_code == 200, login.text
+    assert len(session_cookies(login)) == 1
+    assert len(claim_files(cluster)) == 1  # the minted ID, never named, was not claimed
+    assert a.routing.claims is not None
+    assert a.routing.claims.lookup(SessionId("fresh-login")) == b.id
+    async with a.client(cookies=login.cookies) as ca:
+        touched = await ca.get("/touch")
+    assert touched.json() == {"session_id": "fresh-login", "n": 1, "worker": b.id}
+
+
+async def test_rotation_to_an_id_another_worker_holds_answers_409_and_releases_it(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app())
+    b = await cluster.add(session_app())
+    async with a.client() as ca:
+        assert (await ca.post("/seed_session", json={"session_id": "taken"})).status_code == 200
+    async with b.client() as cb:
+        seeded = await cb.post("/seed_session", json={"session_id": "mine"})
+        cb.cookies = seeded.cookies
+        assert (await cb.get("/touch")).json()["n"] == 1
+        lost = await cb.post("/login", params={"to": "taken"})
+    assert lost.status_code == 409
+    assert lost.json()["code"] == "session_conflict"
+    assert "set-cookie" not in lost.headers  # the client keeps its old cookie
+    assert "taken" not in b.app.state.values  # the handler's state for it was released
+    assert a.routing.claims is not None and b.routing.claims is not None
+    assert b.routing.claims.lookup(SessionId("taken")) == a.id
+    assert a.routing.claims.lookup(SessionId("mine")) == b.id
+    assert b.routing.claims.lifetimes.is_open(SessionId("mine"))

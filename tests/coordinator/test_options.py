@@ -1,0 +1,146 @@
+"""`tether serve`'s options: one table of flags, each also a `TETHER_<FLAG>` variable,
+uvicorn's names and defaults, `WEB_CONCURRENCY` as the worker count (SPEC 8)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+from starlette.applications import Starlette
+
+import tether
+from tether.coordinator.options import (
+    FLAGS,
+    OptionError,
+    ServeOptions,
+    add_serve_flags,
+    options_from,
+)
+
+
+def parsed(*argv: str) -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("app")
+    add_serve_flags(parser)
+    return vars(parser.parse_args(["main:app", *argv]))
+
+
+def test_every_flag_is_a_serve_option() -> None:
+    fields = {f.name for f in dataclasses.fields(ServeOptions)}
+    assert {flag.field for flag in FLAGS} <= fields
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--uds", "--root-path", "--proxy-headers", "--no-proxy-headers", "--forwarded-allow-ips",
+     "--timeout-keep-alive", "--timeout-graceful-shutdown", "--limit-concurrency",
+     "--backlog", "--ssl-keyfile", "--ssl-certfile", "--ssl-keyfile-password",
+     "--ssl-version", "--ssl-cert-reqs", "--ssl-ca-certs", "--ssl-ciphers", "--log-level",
+     "--access-log", "--no-access-log", "--factory", "--app-dir", "--env-file", "--lifespan",
+     "--h11-max-incomplete-event-size", "--header", "--server-header", "--no-server-header",
+     "--date-header", "--no-date-header"],
+)
+def test_uvicorns_flags_are_accepted(flag: str) -> None:
+    option = next(a for a in _actions() if flag in a.option_strings)
+    assert option is not None
+
+
+def _actions() -> list[argparse.Action]:
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    return list(parser._actions)
+
+
+def test_flags_become_options_with_uvicorns_meaning() -> None:
+    options = options_from("main:app", parsed(
+        "--root-path", "/api", "--no-proxy-headers", "--header", "x-a: 1", "--header", "x-b:2",
+        "--timeout-graceful-shutdown", "7", "--no-access-log",
+    ))
+    config = options.uvicorn_config()
+    assert config["root_path"] == "/api"
+    assert config["proxy_headers"] is False
+    assert config["headers"] == [["x-a", "1"], ["x-b", "2"]]
+    assert config["timeout_graceful_shutdown"] == 7
+    assert options.access_log is False
+
+
+def test_a_tether_variable_stands_for_its_flag() -> None:
+    env = {"TETHER_PORT": "9001", "TETHER_PROXY_HEADERS": "false",
+           "TETHER_HEADER": "x-a: 1\nx-b: 2", "TETHER_CLOSE_WINDOW": "5",
+           "TETHER_LOG_LEVEL": "warning"}
+    options = options_from("main:app", parsed(), env)
+    assert options.port == 9001
+    assert options.proxy_headers is False
+    assert options.headers == [("x-a", "1"), ("x-b", "2")]
+    assert options.close_window_s == 5.0
+    assert options.log_level == "warning"
+
+
+def test_a_flag_wins_over_its_variable() -> None:
+    options = options_from("main:app", parsed("--port", "7000"), {"TETHER_PORT": "9001"})
+    assert options.port == 7000
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("TETHER_PORT", "eighty"), ("TETHER_ACCESS_LOG", "maybe"), ("TETHER_LIFESPAN", "sometimes"),
+     ("TETHER_HEADER", "no-colon")],
+)
+def test_a_bad_variable_is_an_option_error_naming_it(name: str, value: str) -> None:
+    with pytest.raises(OptionError, match=name):
+        options_from("main:app", parsed(), {name: value})
+
+
+def test_web_concurrency_is_the_default_worker_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEB_CONCURRENCY", "3")
+    assert ServeOptions("main:app").worker_count == 3
+    assert ServeOptions("main:app", workers=2).worker_count == 2
+    monkeypatch.delenv("WEB_CONCURRENCY")
+    assert ServeOptions("main:app").worker_count == 1
+
+
+def test_the_graceful_shutdown_default_is_30_s() -> None:
+    assert ServeOptions("main:app").timeout_graceful_shutdown == 30
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [(ServeOptions("a:b", workers=0), "--workers"),
+     (ServeOptions("a:b", checkpoint_root="/tmp/x"), "--name"),
+     (ServeOptions("a:b", ssl_certfile="c.pem"), "--ssl-keyfile"),
+     (ServeOptions("a:b", app_dir="/no/such/dir"), "--app-dir"),
+     (ServeOptions("a:b", log_level="loud"), "--log-level")],
+)
+def test_problems_name_the_flag(options: ServeOptions, named: str) -> None:
+    problem = options.problem()
+    assert problem is not None and named in problem
+
+
+def test_tether_run_needs_an_import_string() -> None:
+    with pytest.raises(TypeError, match="import string"):
+        tether.run(Starlette())  # type: ignore[arg-type]
+
+
+def test_tether_run_refuses_an_unknown_option() -> None:
+    with pytest.raises(TypeError):
+        tether.run("main:app", no_such_option=1)
+
+
+def test_checkpointable_declares_the_kind_and_the_participant_together() -> None:
+    from tether.checkpoint import declared_participant
+    from tether.routing.kinds import declared_kind
+
+    app = Starlette()
+    kind = tether.SessionKind(header="x-session")
+
+    class States:
+        def sessions(self) -> list[str]:
+            return []
+
+    participant = tether.checkpointable(app, sessions=kind, state=States(),  # type: ignore[arg-type]
+                                        state_version="v1")
+    assert declared_kind(app) is kind
+    assert declared_participant(app) is participant
+    assert participant.provider is not None
+    assert participant.state_version == "v1"
