@@ -49,6 +49,10 @@ class Checkpointer:
         self._timer: asyncio.Task[None] | None = None
         self._sweep: asyncio.Task[int] | None = None
         self._blockers = Blockers([], 0)
+        self._calls: set[asyncio.Task[Any]] = set()
+        """Calls being answered: each runs in a task of its own, owned here."""
+        self.holding: str | None = None
+        """Why control calls are refused for now (a restore at start-up), or None."""
         fleet.on_change(self._changed.set)
 
     # Lifecycle -------------------------------------------------------------------
@@ -63,6 +67,10 @@ class Checkpointer:
             )
 
     async def stop(self) -> None:
+        calls = list(self._calls)
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
         if self._sweep is not None:
             self._sweep.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError):
@@ -77,7 +85,23 @@ class Checkpointer:
     # Control calls (bodies already validated) -------------------------------------
 
     async def call(self, route: str, body: dict[str, Any]) -> Any:
-        """Answer one control call; raises `TetherError` with the contract's code."""
+        """Answer one control call; raises `TetherError` with the contract's code.
+
+        The call runs in a task the checkpointer owns, so its caller may go away (the
+        worker that relayed it died, its client left) and the work still ends, and the
+        phase machine learns how; a retry of the same call joins it or reads its result."""
+        if self.holding is not None:
+            raise TetherError("checkpoint_parked", self.holding)
+        return await self.run(route, body)
+
+    async def run(self, route: str, body: dict[str, Any]) -> Any:
+        """`call` without the start-up hold: for the launcher's own restore at start."""
+        task = asyncio.create_task(self._call(route, body), name=f"tether-call-{route}")
+        self._calls.add(task)
+        task.add_done_callback(_finished_call(self._calls))
+        return await asyncio.shield(task)
+
+    async def _call(self, route: str, body: dict[str, Any]) -> Any:
         if route == "status":
             return await self.status()
         if route == "forget":
@@ -100,7 +124,8 @@ class Checkpointer:
         elif route == "resume":
             step = self.machine.resume(cid, now)
         elif route == "renew":
-            step = self.machine.renew(cid, now, lease_s=body.get("lease_s") or ph.DEFAULT_LEASE_S)
+            step = self.machine.renew(cid, now, lease_s=body.get("lease_s") or ph.DEFAULT_LEASE_S,
+                                      published=self._published(cid))
         elif route == "restore":
             step = self.machine.restore(
                 cid, now, fresh=await self.fleet.fresh(), scope=body.get("scope"),
@@ -120,6 +145,9 @@ class Checkpointer:
     async def status(self) -> dict[str, Any]:
         status = self.machine.status(self.clock()).result()
         assert isinstance(status, ph.Status)
+        if status.phase == "prepared" and status.busy is None:
+            # What a commit would find now (a worker lost since the prepare answered).
+            self._blockers = await self.fleet.blockers()
         return {
             "name": self.name,
             "phase": status.phase,
@@ -170,18 +198,23 @@ class Checkpointer:
         elif isinstance(action, ph.ReleaseInstalled):
             return await self._shared(action.key, self._abort(action))
         elif isinstance(action, ph.Retire):
-            retired = await self.fleet.retire(action.episode_id, action.attempt)
+            within_s = max(action.deadline - self.clock(), 0.0)
+            retired = await self.fleet.retire(action.episode_id, action.attempt, within_s)
             return {"retired": retired}
         elif isinstance(action, ph.Join):
             future = self._running.get(action.key)
-            if future is not None:
-                return await asyncio.shield(future)
+            if future is None:
+                log.error("running_work_missing", call=action.key.route)
+                raise TetherError("internal_error", f"{action.key.route} is marked running")
+            return await asyncio.shield(future)
         elif isinstance(action, ph.RetryAfter):
             future = self._running.get(action.key)
-            if future is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(future)
-            return await self.call(route, body)
+            if future is None:  # the machine marks work running only while it runs
+                log.error("running_work_missing", call=action.key.route)
+                raise TetherError("internal_error", f"{action.key.route} is marked running")
+            with contextlib.suppress(Exception):
+                await asyncio.shield(future)
+            return await self._call(route, body)
         return None
 
     async def _shared(self, key: ph.CallKey, work: Any) -> Any:
@@ -221,7 +254,7 @@ class Checkpointer:
         cid = action.key.checkpoint_id
         started = time.perf_counter()
         event: ph.Event
-        blockers = await self.fleet.blockers()
+        blockers = await self.fleet.blockers(fresh=True)
         if blockers.total:
             event = ph.CommitFailed(cid, "not_ready", {"blockers": blockers.listed,
                                                        "blockers_total": blockers.total})
@@ -273,10 +306,13 @@ class Checkpointer:
             }
             # The fleet vouches for the counts: its writer counted them in this process,
             # or it read every worker's index. Reading them again would double the cost.
-            return await asyncio.to_thread(pending.publish, fields, check_indexes=False)
+            manifest = await asyncio.to_thread(pending.publish, fields, check_indexes=False)
         except BaseException:
             await asyncio.to_thread(pending.abort)
             raise
+        if scope is not None:
+            self.fleet.drop_held_outside(scope)  # SPEC 5.8: the scope forgets the rest
+        return manifest
 
     async def _restore(self, action: ph.StartRestore) -> Any:
         key = action.key
@@ -338,6 +374,18 @@ async def _wait(event: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
             await event.wait()
+
+
+def _finished_call(calls: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    """What a call's task does when it ends: leave the set; an error nobody awaited any
+    more (its caller went away) is retrieved, not reported as lost."""
+
+    def done(task: asyncio.Task[Any]) -> None:
+        calls.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    return done
 
 
 def _render(answer: Any) -> Any:

@@ -107,7 +107,8 @@ class ControlApp:
         path = route_path(scope)
         route = ROUTES.get((scope["method"], path))
         if route is None:
-            await send_json(send, 404, {"code": "not_found", "detail": path})
+            # Not a route of the table's (SPEC 6): an invalid request, in the table's terms.
+            await send_error(send, TetherError("invalid_request", f"no control route {path}"))
             return
         call, model = route
         try:

@@ -8,7 +8,7 @@ so the checkpointer itself never changes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from tether.checkpoint.participant import Blockers, Participant
@@ -28,9 +28,9 @@ class Fleet(Protocol):
 
     async def open_admission(self) -> None: ...
 
-    async def blockers(self) -> Blockers:
+    async def blockers(self, fresh: bool = False) -> Blockers:
         """Every worker's blockers, merged (the first few listed); a total of 0 when the
-        server is ready."""
+        server is ready. `fresh`: asked now, not from the newest reports."""
         ...
 
     async def fresh(self) -> bool: ...
@@ -51,7 +51,17 @@ class Fleet(Protocol):
 
     async def release_installed(self) -> None: ...
 
-    async def retire(self, episode_id: str, attempt: int) -> list[dict[str, Any]]: ...
+    async def retire(
+        self, episode_id: str, attempt: int, within_s: float
+    ) -> list[dict[str, Any]]:
+        """Retire the attempt everywhere within `within_s` seconds (`worker_unreported`
+        for a worker that does not confirm in time, marks kept)."""
+        ...
+
+    def drop_held_outside(self, scope: frozenset[str]) -> None:
+        """A commit with this scope was published: held records it left out are forgotten
+        (SPEC 5.8)."""
+        ...
 
     async def forget(self, episode_ids: list[str]) -> list[str]: ...
 
@@ -100,7 +110,7 @@ class LocalFleet:
     async def open_admission(self) -> None:
         self.participant.open_admission()
 
-    async def blockers(self) -> Blockers:
+    async def blockers(self, fresh: bool = False) -> Blockers:
         return self.participant.blockers()
 
     async def fresh(self) -> bool:
@@ -164,8 +174,13 @@ class LocalFleet:
     async def release_installed(self) -> None:
         await self.participant.release_all()
 
-    async def retire(self, episode_id: str, attempt: int) -> list[dict[str, Any]]:
-        return [await self.participant.retire(episode_id, attempt)]
+    async def retire(
+        self, episode_id: str, attempt: int, within_s: float
+    ) -> list[dict[str, Any]]:
+        return [await self.participant.retire(episode_id, attempt, within_s)]
+
+    def drop_held_outside(self, scope: frozenset[str]) -> None:
+        self.participant.drop_held_outside(scope)
 
     async def forget(self, episode_ids: list[str]) -> list[str]:
         return self.participant.forget(episode_ids)
@@ -183,7 +198,7 @@ class LocalFleet:
         }]
 
     def held_episodes(self) -> list[dict[str, Any]]:
-        return _held(self.participant.held.values())
+        return self.participant.records.held_episodes()
 
     def lost_episodes(self) -> list[dict[str, Any]]:
         return []
@@ -193,14 +208,6 @@ class LocalFleet:
 
     def owner_aliases(self) -> dict[str, str]:
         return {}
-
-
-def _held(records: Iterable[Any]) -> list[dict[str, Any]]:
-    return [
-        {"episode_id": h.episode_id, "attempt_to_send": h.attempt + 1}
-        for h in records
-        if h.claimed_by is None
-    ]
 
 
 def _local_worker_name() -> str:

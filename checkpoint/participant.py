@@ -14,14 +14,16 @@ import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import structlog
 
 from tether.checkpoint import gcpause
+from tether.checkpoint.held import Held as Held  # re-exported: workers build them
+from tether.checkpoint.held import HeldRecords
 from tether.checkpoint.phases import MAX_BLOCKERS
 from tether.checkpoint.segments import (
     IndexEntry,
@@ -70,27 +72,6 @@ class SessionState(Protocol):
 
 
 @dataclass
-class Held:
-    """A parked episode record this server holds until attempt+1 claims it."""
-
-    episode_id: str
-    attempt: int
-    path: Path | None = None
-    entry: IndexEntry | None = None
-    state: Any = None
-    claimed_by: str | None = None
-    done: bool = False
-    """Continued to the end: kept claimed so an older or repeated attempt is refused."""
-
-    def load(self) -> Any:
-        """The record's state (read from its segment unless handed back in memory)."""
-        if self.path is None or self.entry is None:
-            return self.state
-        [record] = list(read_records(self.path, [self.entry]))
-        return record["state"]
-
-
-@dataclass
 class Episode:
     """One running episode: `await boundary(state)` between steps."""
 
@@ -121,21 +102,6 @@ class Episode:
             finally:
                 self.participant.park(self, False)
             self.participant.check_attempt(self.episode_id, self.attempt)
-
-
-def check_claim(held: Held, episode_id: str, attempt: int) -> None:
-    """The attempt rules of SPEC 5.8 for claiming a held record (raises if refused)."""
-    if attempt <= held.attempt:
-        raise TetherError(
-            "stale_attempt", f"the held record of {episode_id!r} is attempt {held.attempt}"
-        )
-    if attempt > held.attempt + 1:
-        raise TetherError(
-            "attempt_mismatch",
-            {"expected": held.attempt + 1, "message": f"{episode_id!r} continues once"},
-        )
-    if held.claimed_by is not None:
-        raise TetherError("episode_claimed", {"worker": held.claimed_by})
 
 
 class RemoteRecords(Protocol):
@@ -184,7 +150,8 @@ class ClientGone(Exception):
 class Participant:
     """What one worker's app registers for checkpoints, and its checkpoint-time duties.
 
-    Held episode records are kept here (one worker) or by `remote` (several workers)."""
+    Held episode records are kept in `records` (one worker) or by `remote` (several
+    workers); `records` keeps the retire marks either way."""
 
     def __init__(self, *, state_version: str | None = None) -> None:
         self.state_version = state_version
@@ -205,8 +172,7 @@ class Participant:
         what to carry itself, and the record would be in no segment."""
         self._app_busy = Blockers([], 0)
         self._app_scanned = -APP_SCAN_S
-        self.held: dict[str, Held] = {}
-        self.retired: dict[str, int] = {}
+        self.records = HeldRecords()
         self._in_progress: dict[str, int] = {}
         self._open = asyncio.Event()
         self._open.set()
@@ -215,6 +181,11 @@ class Participant:
         self.remote: RemoteRecords | None = None
         self.handback_dir: Path | None = None
         """Where a handed-back boundary state is written when records are remote."""
+
+    @property
+    def held(self) -> Mapping[str, Held]:
+        """The held records by episode ID (read only; changed through `records`)."""
+        return self.records.records
 
     # Registration --------------------------------------------------------------
 
@@ -258,7 +229,9 @@ class Participant:
         stateless routes, refuse everything else with 503 `checkpoint_parked`.
 
         Returns the call that ends the request's tracking, or None when it is not tracked
-        (background streams, stateless routes, requests of no held session)."""
+        (background streams, stateless routes, requests that name no session). A request
+        of a session not held here yet (a seed still running) is tracked too: it may be
+        building the state a checkpoint would write."""
         if background:
             return None
         held = session_id is not None and self.holds(session_id)
@@ -268,7 +241,11 @@ class Participant:
             if not held:
                 raise TetherError("checkpoint_parked", "a checkpoint is open; retry shortly")
             await self.wait_open()
-        if session_id is None or not held:
+            if session_id is None or not self.holds(session_id):  # released: an aborted restore
+                raise TetherError(
+                    "checkpoint_parked", "its session went away while it waited; retry"
+                )
+        if session_id is None:
             return None
         key = str(session_id)
         self._in_progress[key] = self._in_progress.get(key, 0) + 1
@@ -343,11 +320,7 @@ class Participant:
 
     def check_attempt(self, episode_id: str, attempt: int) -> None:
         """409 `stale_attempt` for a retired attempt or an older one."""
-        retired = self.retired.get(episode_id)
-        if retired is not None and attempt <= retired:
-            raise TetherError(
-                "stale_attempt", f"attempt {attempt} of {episode_id!r} is retired (<= {retired})"
-            )
+        self.records.check_attempt(episode_id, attempt)
 
     @contextlib.asynccontextmanager
     async def episode(
@@ -376,7 +349,7 @@ class Participant:
                 claiming.add_done_callback(self._give_back)
                 raise
         else:
-            held = self._claim_held(episode_id, attempt)
+            held = self.records.claim(episode_id, attempt, self._claimant)
         episode = Episode(self, episode_id, attempt, disconnected=disconnected,
                           task=asyncio.current_task())
         # Registered before anything awaits: a close that follows the claim's answer
@@ -387,7 +360,9 @@ class Participant:
         finished = False
         try:
             if held is not None:  # a failed read hands the claim back, in `finally`
-                episode.resumed = episode.state = await asyncio.to_thread(held.load)
+                episode.resumed = episode.state = await asyncio.to_thread(
+                    held.load, read_records
+                )
             yield episode
             finished = True
         except asyncio.CancelledError:
@@ -460,19 +435,16 @@ class Participant:
         del self._settling[task]
         self.changed()
 
-    def _claim_held(self, episode_id: str, attempt: int) -> Held | None:
-        held = self.held.get(episode_id)
-        if held is None:
-            return None
-        check_claim(held, episode_id, attempt)
-        held.claimed_by = self.worker or "local"
-        return held
+    @property
+    def _claimant(self) -> str:
+        """Who claims a record this participant holds itself (one worker)."""
+        return self.worker or "local"
 
     async def _done(self, episode_id: str) -> None:
         if self.remote is not None:
             await self.remote.done(episode_id)
-        elif episode_id in self.held:
-            self.held[episode_id].done = True
+        else:
+            self.records.done(episode_id, self._claimant)
 
     def _hand_back(self, episode: Episode, held: Held) -> asyncio.Future[None] | None:
         """A claimed request ended early: hold its latest boundary state again, for the
@@ -480,26 +452,23 @@ class Participant:
         anything awaits, so an export that starts meanwhile finds the record in
         `_returning` if not among the parked episodes."""
         if episode.boundaries:
-            held.path = held.entry = None
-            held.state = episode.state
+            held = replace(held, path=None, entry=None, state=episode.state)
         return self._release(held)
 
     async def _return(self, held: Held) -> None:
         """Hold `held` again here, or hand it back to the coordinator (its state written
-        to a one-record file first if it is in memory, so no state crosses the channel)."""
-        held.claimed_by = None
+        to a one-record file first if it is in memory, so no state crosses the channel).
+        Held again here, a record whose claiming attempt was retired meanwhile is dropped."""
         if self.remote is None:
-            if self.retired.get(held.episode_id, -1) >= held.attempt + 1:
-                self.held.pop(held.episode_id, None)  # retired meanwhile: nobody may claim it
-            else:
-                self.held[held.episode_id] = held
+            self.records.hand_back(held, self._claimant)
             return
         if held.path is None and self.handback_dir is not None:
             name = f"{held.episode_id.encode().hex()[:64]}-{secrets.token_hex(4)}.msgpack"
             path = self.handback_dir / name
             record = {"kind": "episode", "episode_id": held.episode_id,
                       "attempt": held.attempt, "state": held.state}
-            held.path, held.entry = await asyncio.to_thread(_write_one, path, record)
+            where, entry = await asyncio.to_thread(_write_one, path, record)
+            held = replace(held, path=where, entry=entry, state=None)
             if self.admission_closed and not self._stopping:
                 # A checkpoint opened while the file was written: the coordinator still
                 # counts the record as this worker's, so this worker's export carries it.
@@ -509,11 +478,13 @@ class Participant:
 
     async def retire(self, episode_id: str, attempt: int, within_s: float = 30.0) -> dict[str, Any]:
         """Mark the attempt (and older) retired, stop its running work (its request answers
-        409 `stale_attempt`), drop held records it could claim; answers once stopped."""
-        self.retired[episode_id] = max(attempt, self.retired.get(episode_id, attempt))
+        409 `stale_attempt`), drop held records it could claim; answers once stopped.
+        The marks go first, so no request of the attempt starts or claims meanwhile."""
+        dropped = self.records.retire(episode_id, attempt)
+        deadline = asyncio.get_running_loop().time() + within_s  # one budget for both waits
         if self._settling:  # hand-backs in flight (say, just after a resume) land first
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(within_s):
+                async with asyncio.timeout_at(deadline):
                     await asyncio.wait(set(self._settling))
         running = [e for (eid, a), e in self.episodes.items() if eid == episode_id and a <= attempt]
         for episode in running:
@@ -522,26 +493,32 @@ class Participant:
                 episode.task.cancel()
         if running:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(within_s):
+                async with asyncio.timeout_at(deadline):
                     for episode in running:
                         await episode.finished.wait()
         stopped = sum(1 for e in running if e.finished.is_set())
-        dropped = 0
-        held = self.held.get(episode_id)
-        if held is not None and held.attempt + 1 <= attempt:
-            del self.held[episode_id]
-            dropped = 1
+        if stopped < len(running):
+            raise TetherError("worker_unreported", {
+                "worker": self.worker, "marks": "kept",
+                "detail": f"{len(running) - stopped} of attempt {attempt}'s requests did not "
+                          f"stop within {within_s:g} s",
+            })
+        dropped += self.records.retire(episode_id, attempt)  # landed while it waited
         return {"episode_id": episode_id, "attempt": attempt, "stopped": stopped,
                 "dropped_held": dropped}
 
+    def drop_held_outside(self, scope: frozenset[str]) -> None:
+        """Forget the unclaimed held records a published commit's scope left out."""
+        self.records.drop_outside(scope)
+
     def forget(self, episode_ids: Iterable[str]) -> list[str]:
-        return [eid for eid in episode_ids if self.retired.pop(eid, None) is not None]
+        return self.records.forget(episode_ids)
 
     # Export and install (SPEC 5.1, 5.6, 5.10) ----------------------------------
 
     def is_fresh(self) -> bool:
         has_sessions = self.provider is not None and any(True for _ in self.provider.sessions())
-        return not (has_sessions or self.episodes or self.held or self.restored)
+        return not (has_sessions or self.episodes or self.records or self.restored)
 
     async def export(
         self,
@@ -597,9 +574,9 @@ class Participant:
                 provider = self.provider
                 sessions = list(provider.sessions()) if provider is not None else []
                 parked = self._parked(scope)
-                held = [h for h in self.held.values() if h.claimed_by is None]
-                held += [*self._returning.values(), *carried]
-                held = [h for h in held if scope is None or h.episode_id in scope]
+                held = self.records.carry(scope)
+                held += [h for h in [*self._returning.values(), *carried]
+                         if scope is None or h.episode_id in scope]
                 done = 0
                 while done < len(sessions):
                     assert provider is not None
@@ -639,8 +616,7 @@ class Participant:
 
     def set_retired(self, marks: dict[str, int]) -> None:
         """Inherit the retire marks of the server (a worker that joins late)."""
-        for episode_id, attempt in marks.items():
-            self.retired[episode_id] = max(attempt, self.retired.get(episode_id, attempt))
+        self.records.inherit(marks)
 
     async def install(self, path: Path, entries: list[IndexEntry]) -> int:
         """Install this worker's sessions from one segment; returns how many."""
@@ -653,7 +629,7 @@ class Participant:
 
     def hold(self, episode_id: str, attempt: int, path: Path, entry: IndexEntry) -> None:
         """Hold a restored episode record by its location until attempt+1 claims it."""
-        self.held[episode_id] = Held(episode_id, attempt, path, entry)
+        self.records.hold(Held(episode_id, attempt, path, entry))
         self.restored = True
 
     async def release_all(self) -> None:
@@ -661,7 +637,7 @@ class Participant:
         if self.provider is not None:
             for session_id in list(self.provider.sessions()):
                 await self.provider.release(session_id)
-        self.held.clear()
+        self.records.clear()
         self.restored = False
 
 
@@ -677,7 +653,7 @@ def _read_paused(path: Path, entries: list[IndexEntry]) -> list[dict[str, Any]]:
 
 
 def _load_all(held: list[Held]) -> list[Any]:
-    return [record.load() for record in held]
+    return [record.load(read_records) for record in held]
 
 
 def _write_one(path: Path, record: dict[str, Any]) -> tuple[Path, IndexEntry]:

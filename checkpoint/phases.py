@@ -60,7 +60,8 @@ DEFAULT_DEADLINE_S = 60.0
 DEFAULT_LEASE_S = 300.0
 REMEMBERED_IDS = 1024
 MAX_BLOCKERS = 100
-CLOSED: frozenset[Phase] = frozenset({"preparing", "prepared", "committed"})
+CLOSED: frozenset[Phase] = frozenset({"preparing", "prepared", "committed", "restored"})
+"""Phases with admission closed: restored sessions wait for the resume too (SPEC 5.3)."""
 """Phases with admission closed."""
 
 
@@ -315,6 +316,13 @@ class PhaseMachine:
         return None if self._work is None else self._work.route
 
     @property
+    def admission_closed(self) -> bool:
+        """Whether admission is closed now: in a closed phase, or while records install."""
+        work = self._work
+        installing = work is not None and work.route == "restore" and not work.dry_run
+        return self._phase in CLOSED or installing
+
+    @property
     def was_restored(self) -> bool:
         return self._was_restored
 
@@ -371,9 +379,16 @@ class PhaseMachine:
         """Reopen admission and remember the ID; idempotent in open."""
         return self._run(now, partial(self._resume, checkpoint_id))
 
-    def renew(self, checkpoint_id: str, now: float, *, lease_s: float = DEFAULT_LEASE_S) -> Step:
+    def renew(
+        self,
+        checkpoint_id: str,
+        now: float,
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        published: bool = False,
+    ) -> Step:
         """Extend the active ID's lease to at least `now + lease_s`."""
-        return self._run(now, partial(self._renew, checkpoint_id, now, lease_s))
+        return self._run(now, partial(self._renew, checkpoint_id, now, lease_s, published))
 
     def restore(
         self,
@@ -444,7 +459,7 @@ class PhaseMachine:
             reason = self._remembered.get(checkpoint_id)
             if reason is not None:
                 raise TetherError("stale_checkpoint", f"checkpoint {checkpoint_id} was {reason}")
-            if published and route != "renew":
+            if published:
                 raise TetherError("stale_checkpoint", f"checkpoint {checkpoint_id} is published")
         if active is not None and checkpoint_id != active:
             raise TetherError("checkpoint_conflict", f"checkpoint {active} is active")
@@ -501,8 +516,8 @@ class PhaseMachine:
         self._remember(cid, "resumed")
         return Step(actions, ResumeAnswer())
 
-    def _renew(self, cid: str, now: float, lease_s: float) -> Step:
-        self._gate("renew", cid)
+    def _renew(self, cid: str, now: float, lease_s: float, published: bool) -> Step:
+        self._gate("renew", cid, published)
         if self._active is None:
             raise self._invalid("renew")
         self._lease_s = lease_s
@@ -527,7 +542,11 @@ class PhaseMachine:
             raise TetherError("not_fresh", "this server holds state")
         self._work, self._active, self._scope = key, cid, scope
         self._lease_at, self._last_aborted = now + deadline_s + self._lease_s, None
-        return Step((StartRestore(key, now + deadline_s),))
+        start = StartRestore(key, now + deadline_s)
+        # No request may claim or build state while records are installed, and none
+        # until the controller resumes: a restore closes admission (a dry run installs
+        # nothing, so it leaves admission alone).
+        return Step((start,) if dry_run else (CloseAdmission(cid), start))
 
     def _abort(self, cid: str) -> Step:
         self._gate("abort_restore", cid)
@@ -560,7 +579,8 @@ class PhaseMachine:
             key = self._end("restore", event.checkpoint_id)
             if isinstance(event, RestoreFailed):
                 self._clear()
-                return Step((), TetherError(event.code, event.detail))
+                reopen = () if key.dry_run else (OpenAdmission(event.checkpoint_id),)
+                return Step(reopen, TetherError(event.code, event.detail))
             if key.dry_run:
                 self._clear()
             else:
@@ -570,7 +590,7 @@ class PhaseMachine:
         self._end("abort_restore", event.checkpoint_id)
         self._clear()
         self._was_restored, self._last_aborted = False, event.checkpoint_id
-        return Step((), AbortAnswer())
+        return Step((OpenAdmission(event.checkpoint_id),), AbortAnswer())
 
     def _readiness(self, event: Ready | ReadinessTimeout) -> Step:
         """Answer the prepare that waited; one overtaken since gets the error it would now."""

@@ -26,7 +26,8 @@ BROADCAST_TIMEOUT_S = 2.0
 CONTROL_CALLS = frozenset(
     {"prepare", "commit", "resume", "renew", "restore", "abort_restore", "retire", "forget"}
 )
-EPISODE_CALLS = frozenset({"claim_episode", "episode_done", "hand_back"})
+WORKER_CALLS = frozenset({"claim_episode", "episode_done", "hand_back", "readiness"})
+"""What a worker tells or asks of the fleet: held episode records, readiness reports."""
 
 
 @dataclass
@@ -78,8 +79,8 @@ class Coordinator:
                 if kind == "status":
                     answer["channel_bytes"] = self.channel_bytes()
                 return answer
-            if self.fleet is not None and kind in EPISODE_CALLS:
-                return self._episode_call(channel, kind, body)
+            if self.fleet is not None and kind in WORKER_CALLS:
+                return self._worker_call(channel, kind, body)
             raise TetherError("invalid_request", f"unknown call {kind!r}")
 
         return handle
@@ -143,17 +144,19 @@ class Coordinator:
             self.fleet.changed()
         return welcome
 
-    def _episode_call(self, channel: Channel, kind: str, body: Any) -> Any:
+    def _worker_call(self, channel: Channel, kind: str, body: Any) -> Any:
         assert self.fleet is not None
         worker = next((w for w, link in self.links.items() if link.channel is channel), None)
         if worker is None:
             raise TetherError("invalid_request", "register first")
         if kind == "claim_episode":
             return self.fleet.claim(worker, body["episode_id"], body["attempt"])
-        if kind == "episode_done":
-            self.fleet.done(body["episode_id"])
+        if kind == "readiness":
+            self.fleet.report(worker, body)
+        elif kind == "episode_done":
+            self.fleet.done(body["episode_id"], worker)
         else:
-            self.fleet.hand_back(body)
+            self.fleet.hand_back(body, worker)
         return None
 
     async def _broadcast_live(self, skip: WorkerId | None = None) -> None:

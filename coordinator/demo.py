@@ -5,6 +5,8 @@
 2. A checkpoint, SIGKILL of the whole process group, and a restore onto 2 workers:
    every counter continues from its checkpointed value through its old cookie.
 3. A rescale to 3 workers (checkpoint, stop, restore) and the same check.
+   After each restore every worker holds restored sessions, the counts within one of
+   each other (SPEC 5.7), and every worker answers some of them.
 4. The episodes app: runs parked by a checkpoint, SIGKILL, restore onto 3 workers;
    each run continues exactly once, a duplicate gets 409 `episode_claimed`.
 
@@ -45,10 +47,23 @@ class Row:
     total: int
     workers_seen: int
     seconds: float
+    held: list[int] | None = None
+    """Sessions each worker holds (status `workers[].sessions`), where it is shown."""
+    spread: bool = False
+    """Whether `held` must cover every worker within one and every worker answer."""
 
     @property
     def ok(self) -> bool:
-        return self.right == self.total
+        if self.right != self.total:
+            return False
+        if not self.spread:
+            return True
+        held = self.held or [0]
+        return min(held) > 0 and max(held) - min(held) <= 1 and self.workers_seen == len(held)
+
+    @property
+    def held_text(self) -> str:
+        return "/".join(str(n) for n in sorted(self.held, reverse=True)) if self.held else "-"
 
 
 def _free_port() -> int:
@@ -176,6 +191,21 @@ async def _check_counts(url: str, cookies: dict[int, str], expected: int,
         return await _each(len(cookies), work)
 
 
+async def _held(url: str, token: str, total: int) -> list[int]:
+    """Sessions each worker holds (the control API's status), once they add up to `total`
+    (a restore at start-up may still be installing) or the start-up bound has passed."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    async with aiohttp.ClientSession() as client:
+        while True:
+            async with client.get(f"{url}/_tether/status",
+                                  headers={"authorization": f"Bearer {token}"}) as reply:
+                body = await reply.json()
+            held = [int(worker["sessions"]) for worker in body["workers"]]
+            if sum(held) >= total or time.monotonic() > deadline:
+                return held
+            await asyncio.sleep(0.1)
+
+
 async def _checkpoint(url: str, token: str, root: str, name: str) -> None:
     async with Controller([Server(name, url, token)], root) as controller:
         await controller.checkpoint()
@@ -209,22 +239,24 @@ async def _counter_story(sessions: int, env: dict[str, str], root: str) -> list[
     started = time.perf_counter()
     server = await Process.start(serve(4, port, False), port, env)
     right = await _seed_and_count(server.url, sessions, cookies, workers)
+    held = await _held(server.url, token, right)
     await _checkpoint(server.url, token, root, "counter")
     await server.kill()
     rows.append(Row("tether, 4 workers", right, sessions, len(workers),
-                    time.perf_counter() - started))
+                    time.perf_counter() - started, held))
 
     expected = STEPS
     for count, label in ((2, "SIGKILL, restore onto 2"), (3, "rescale to 3")):
         started, workers = time.perf_counter(), set[str]()
         server = await Process.start(serve(count, port, True), port, env)
         try:
+            held = await _held(server.url, token, len(cookies))  # as restored
             right = await _check_counts(server.url, cookies, expected, workers)
             await _checkpoint(server.url, token, root, "counter")
         finally:
             await (server.kill() if count == 2 else server.stop())
         rows.append(Row(label, right, len(cookies), len(workers),
-                        time.perf_counter() - started))
+                        time.perf_counter() - started, held, spread=True))
         expected += 1
     return rows
 
@@ -296,11 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"counter: {sessions} concurrent sessions, seed and {STEPS} increments each, "
           "a new connection per request\n")
     rows = asyncio.run(_demo(sessions))
-    print(f"{'step':<28}{'right':>12}{'workers seen':>15}{'seconds':>10}")
+    print(f"{'step':<28}{'right':>12}{'workers seen':>15}{'sessions per worker':>22}"
+          f"{'seconds':>10}")
     for row in rows:
+        wrong = "" if row.ok or row is rows[0] else "  <- wrong"
         print(f"{row.label:<28}{f'{row.right}/{row.total}':>12}{row.workers_seen:>15}"
-              f"{row.seconds:>10.1f}")
+              f"{row.held_text:>22}{row.seconds:>10.1f}{wrong}")
     ok = all(row.ok for row in rows[1:])
-    print("\n" + ("every session and episode continued exactly where it was checkpointed."
+    print("\n" + ("every session and episode continued exactly where it was checkpointed, "
+                  "and each restore spread the sessions over every worker."
                   if ok else "FAILED: see the rows above."))
     return 0 if ok else 1

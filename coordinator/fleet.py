@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import structlog
 
-from tether.checkpoint.participant import Blockers, Held, check_claim
+from tether.checkpoint.held import Held, HeldRecords, least_loaded
+from tether.checkpoint.participant import Blockers
 from tether.checkpoint.segments import IndexEntry, read_index
 from tether.checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
 from tether.coordinator.channel import ChannelLost
@@ -47,14 +48,25 @@ class ChannelFleet:
         self.state_version: str | None = None
         self.closed = False
         self.lost: set[WorkerId] = set()
-        self.held: dict[str, Held] = {}
-        self._lost_episodes: list[dict[str, Any]] = []
-        self.retired: dict[str, int] = {}
+        self.records = HeldRecords()
+        """The held episode records, by location, and the retire marks (SPEC 5.8, 5.9)."""
         self.aliases: dict[WorkerId, WorkerId] = {}
         self.placed_count = 0
         self.tables_file: dict[str, str] | None = None
         self.restored = False
+        self.reports: dict[WorkerId, tuple[int, Blockers]] = {}
+        """Each worker's newest readiness report (its number, its blockers), while
+        admission is closed."""
         self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def held(self) -> Mapping[str, Held]:
+        """The held records by episode ID (read only; changed through `records`)."""
+        return self.records.records
+
+    @property
+    def retired(self) -> Mapping[str, int]:
+        return self.records.retired
 
     # Events from the coordinator ----------------------------------------------------
 
@@ -69,12 +81,8 @@ class ChannelFleet:
         """A worker exited: it blocks an open checkpoint; its claimed records are lost."""
         if self.closed:
             self.lost.add(worker)
-        for episode_id, held in list(self.held.items()):
-            if held.claimed_by == worker and not held.done:
-                del self.held[episode_id]
-                self._lost_episodes.append(
-                    {"episode_id": episode_id, "attempt": held.attempt + 1, "worker": worker}
-                )
+        self.reports.pop(worker, None)
+        self.records.worker_left(worker)
         self.changed()
 
     def welcome(self) -> dict[str, Any]:
@@ -82,21 +90,37 @@ class ChannelFleet:
         return {
             "admission_closed": self.closed,
             "tables": self.tables_file,
-            "retired": self.retired,
+            "retired": dict(self.records.retired),
         }
 
     # Fleet interface --------------------------------------------------------------
 
     async def close_admission(self) -> None:
         self.closed = True
-        await self._all("close_admission")
+        for worker, answer in await self._gather("close_admission"):
+            if isinstance(answer, dict):
+                self.report(worker, answer)  # each worker's first report comes back
+            elif not isinstance(answer, ChannelLost):
+                log.warning("worker_call_failed", call="close_admission", worker_id=worker,
+                            error=repr(answer))
 
     async def open_admission(self) -> None:
         self.closed = False
         self.lost.clear()
+        self.reports.clear()
         await self._all("open_admission")
 
-    async def blockers(self) -> Blockers:
+    def report(self, worker: WorkerId, body: dict[str, Any]) -> None:
+        """A worker's readiness report: kept if newer than the one held."""
+        seq = body.get("seq")
+        if not isinstance(seq, int) or seq <= self.reports.get(worker, (0, None))[0]:
+            return
+        self.reports[worker] = (seq, Blockers(body["listed"], body["total"]))
+        self.changed()
+
+    async def blockers(self, fresh: bool = False) -> Blockers:
+        """From each worker's newest report, or, `fresh` (a commit's re-check), asked of
+        every worker now; a worker with no report is asked too."""
         found: list[dict[str, Any]] = []
         missing = self.expected_workers - len(self.coordinator.links)
         for _ in range(max(missing, 0)):
@@ -104,8 +128,14 @@ class ChannelFleet:
         for worker in sorted(self.lost):
             found.append(_blocker("worker_lost", worker, None, "exited during the checkpoint"))
         parts = [Blockers(found, len(found))]
-        for worker, answer in await self._gather("blockers"):
-            if isinstance(answer, dict):
+        reported = {} if fresh else {w: r for w, (_, r) in self.reports.items()
+                                     if w in self.coordinator.links}
+        asking = [w for w in self.coordinator.links if w not in reported]
+        asked = await self._gather_each("blockers", dict.fromkeys(asking)) if asking else []
+        for worker, answer in sorted([*reported.items(), *asked]):
+            if isinstance(answer, Blockers):
+                parts.append(answer)
+            elif isinstance(answer, dict):
                 parts.append(Blockers(answer["listed"], answer["total"]))
             else:
                 failed = _blocker("worker_unreported", worker, None, repr(answer))
@@ -113,7 +143,7 @@ class ChannelFleet:
         return Blockers.merge(parts)
 
     async def fresh(self) -> bool:
-        if self.restored or self.held:
+        if self.restored or self.records:
             return False
         if any(os.scandir(Path(self.runtime_dir) / "claims")):
             return False
@@ -126,16 +156,14 @@ class ChannelFleet:
         links = sorted(self.coordinator.links)
         if not links:
             raise TetherError("commit_failed", "no worker is registered")
-        carried = [
-            _held_body(h) for h in self.held.values()
-            if h.claimed_by is None and (scope is None or h.episode_id in scope)
-        ]
+        carried = [h.body() for h in self.records.carry(scope)]
+        carrier = await self._least_loaded(links) if carried else None
         calls = []
-        for index, worker in enumerate(links):
+        for worker in links:
             body = {
                 "path": str(pending.segment_path(worker)),
                 "scope": None if scope is None else sorted(scope),
-                "carried": carried if index == 0 else [],
+                "carried": carried if worker == carrier else [],
             }
             calls.append(self._call(worker, "export", body, WORK_TIMEOUT_S))
         try:
@@ -160,6 +188,18 @@ class ChannelFleet:
             })
         return list(links), segments, counts
 
+    async def _least_loaded(self, links: list[WorkerId]) -> WorkerId:
+        """The worker holding the fewest sessions and episodes (ties: lowest ID), which
+        writes the held records no request continued (SPEC 5.8)."""
+        loads = {worker: float("inf") for worker in links}
+        for worker, answer in await self._gather("stats"):
+            if isinstance(answer, dict) and worker in loads:
+                loads[worker] = answer.get("sessions", 0) + answer.get("episodes", 0)
+        return least_loaded(loads)
+
+    def drop_held_outside(self, scope: frozenset[str]) -> None:
+        self.records.drop_outside(scope)
+
     async def _abort_exports(self) -> None:
         """Stop every worker's export of an abandoned commit, and wait until each has
         stopped: the commit's temp dir goes next, and a lease may fire after it."""
@@ -181,14 +221,16 @@ class ChannelFleet:
         if version != self.state_version:
             raise TetherError("incompatible_state",
                               f"checkpoint {version!r}, app {self.state_version!r}")
-        sessions = [(SessionId(e.id), _owner(e.owner)) for s in checkpoint.segments
+        sessions = [(SessionId(e.id), _owner(e.owner), e.offset) for s in checkpoint.segments
                     for e in s.entries if e.kind == "session"]
         episodes = [(s.path, e) for s in checkpoint.segments for e in s.entries
                     if e.kind == "episode" and (scope is None or e.id in scope)]
         known = [WorkerId(w) for w in checkpoint.manifest.get("workers", [])]
         inherited = {WorkerId(k): WorkerId(v)
                      for k, v in checkpoint.manifest.get("owner_aliases", {}).items()}
-        placement = place(sessions, sorted(self.coordinator.links), known, inherited)
+        placement = await asyncio.to_thread(  # ~50 ms per 100,000 sessions
+            place, sessions, sorted(self.coordinator.links), known, inherited
+        )
         answer = {
             "installed_sessions": len(sessions),
             "held_episodes": [{"episode_id": e.id, "attempt_to_send": (e.attempt or 0) + 1}
@@ -220,27 +262,30 @@ class ChannelFleet:
             worker, error = failed[0]
             if isinstance(error, TetherError):
                 raise error
+            if isinstance(error, ChannelLost | TimeoutError):
+                # The checkpoint is intact; the server is fresh again: retry the restore.
+                raise TetherError("worker_lost", f"worker {worker} was lost while installing")
             raise TetherError("corrupt_checkpoint", f"worker {worker} failed to install: {error!r}")
         for path, entry in episodes:
-            self.held[entry.id] = Held(entry.id, entry.attempt or 0, path, entry)
+            self.records.hold(Held(entry.id, entry.attempt or 0, path, entry))
         self.placed_count = len(placement.sessions)
         self.restored = True
         return answer
 
     async def release_installed(self) -> None:
         await self._gather("release_installed")
-        self.held.clear()
+        self.records.clear()
         self.tables_file, self.aliases, self.placed_count = None, {}, 0
         self.restored = False
 
-    async def retire(self, episode_id: str, attempt: int) -> list[dict[str, Any]]:
-        self.retired[episode_id] = max(attempt, self.retired.get(episode_id, attempt))
-        dropped = 0
-        held = self.held.get(episode_id)
-        if held is not None and held.claimed_by is None and held.attempt + 1 <= attempt:
-            del self.held[episode_id]
-            dropped = 1
-        answers = await self._gather("retire", {"episode_id": episode_id, "attempt": attempt})
+    async def retire(
+        self, episode_id: str, attempt: int, within_s: float
+    ) -> list[dict[str, Any]]:
+        dropped = self.records.retire(episode_id, attempt)
+        # Each worker stops the attempt's work within the deadline and answers at it; the
+        # margin is for that answer to arrive.
+        body = {"episode_id": episode_id, "attempt": attempt, "within_s": within_s}
+        answers = await self._gather("retire", body, within_s + CALL_TIMEOUT_S)
         unreported = [w for w, a in answers if not isinstance(a, dict)]
         if unreported:
             raise TetherError("worker_unreported", {"workers": unreported, "marks": "kept"})
@@ -249,7 +294,7 @@ class ChannelFleet:
                  "dropped_held": dropped + sum(a["dropped_held"] for _, a in answers)}]
 
     async def forget(self, episode_ids: list[str]) -> list[str]:
-        forgotten = [e for e in episode_ids if self.retired.pop(e, None) is not None]
+        forgotten = self.records.forget(episode_ids)
         await self._gather("forget", {"episode_ids": episode_ids})
         return forgotten
 
@@ -262,11 +307,10 @@ class ChannelFleet:
         return sorted(rows, key=lambda row: str(row["id"]))
 
     def held_episodes(self) -> list[dict[str, Any]]:
-        return [{"episode_id": h.episode_id, "attempt_to_send": h.attempt + 1}
-                for h in self.held.values() if h.claimed_by is None]
+        return self.records.held_episodes()
 
     def lost_episodes(self) -> list[dict[str, Any]]:
-        return list(self._lost_episodes)
+        return self.records.lost_episodes()
 
     def tables(self) -> dict[str, int]:
         return {"placed_sessions": self.placed_count, "owner_aliases": len(self.aliases)}
@@ -278,25 +322,18 @@ class ChannelFleet:
         before any later message to it (one ordered channel)."""
         if self.closed:
             raise TetherError("checkpoint_parked", "a checkpoint is open; retry shortly")
-        held = self.held.get(episode_id)
-        if held is None:
-            return None
-        check_claim(held, episode_id, attempt)
-        held.claimed_by = worker
-        return _held_body(held)
+        held = self.records.claim(episode_id, attempt, worker)
+        return None if held is None else held.body()
 
-    def done(self, episode_id: str) -> None:
-        held = self.held.get(episode_id)
-        if held is not None:
-            held.done = True  # still claimed: an older or repeated attempt is refused
+    def done(self, episode_id: str, worker: WorkerId | None = None) -> None:
+        """Kept claimed: an older or repeated attempt is refused."""
+        self.records.done(episode_id, worker)
 
-    def hand_back(self, body: dict[str, Any]) -> None:
-        episode_id, attempt = body["episode_id"], body["attempt"]
-        if self.retired.get(episode_id, -1) >= attempt + 1:
-            self.held.pop(episode_id, None)  # retired meanwhile: nobody may claim it (5.9)
-            return
+    def hand_back(self, body: dict[str, Any], worker: WorkerId | None = None) -> None:
+        """Held again for the same attempt, by location; dropped if its claiming attempt
+        was retired meanwhile (5.9). From `worker`, it must be that worker's claim."""
         path, entry = Path(body["path"]), IndexEntry(*body["entry"])
-        self.held[episode_id] = Held(episode_id, attempt, path, entry)
+        self.records.hand_back(Held(body["episode_id"], body["attempt"], path, entry), worker)
 
     # Plumbing ---------------------------------------------------------------------
 
@@ -342,21 +379,14 @@ class ChannelFleet:
 def _reads(
     checkpoint: Checkpoint, placed: Mapping[SessionId, WorkerId]
 ) -> dict[WorkerId, list[str]]:
-    """The segments each worker must read to install what it was placed: with owner
-    groups kept whole, one segment per old worker, and none for a worker placed nothing."""
+    """The segments each worker must read to install what it was placed: those holding
+    some of its sessions (placement keeps them few), none for a worker placed nothing."""
     reads: dict[WorkerId, list[str]] = {}
     for segment in checkpoint.segments:
         workers = {placed[SessionId(e.id)] for e in segment.entries if e.kind == "session"}
         for worker in sorted(workers):
             reads.setdefault(worker, []).append(str(segment.path))
     return reads
-
-
-def _held_body(held: Held) -> dict[str, Any]:
-    assert held.path is not None
-    assert held.entry is not None
-    return {"episode_id": held.episode_id, "attempt": held.attempt, "path": str(held.path),
-            "entry": list(held.entry)}
 
 
 def _owner(owner: str | None) -> WorkerId | None:

@@ -136,7 +136,9 @@ def serve(options: ServeOptions) -> int:
 
 
 async def _restore_at_start(options: ServeOptions, coordinator: Coordinator) -> bool:
-    """`--restore` on several workers: restore, resume, open admission; False on failure."""
+    """`--restore`: restore, then resume (which opens admission), before the server
+    serves; control calls are refused with 503 until then, so nothing reads `open` while
+    the app's routes still park. False on failure."""
     checkpointer, fleet = coordinator.checkpointer, coordinator.fleet
     if options.restore is None or checkpointer is None or fleet is None:
         return True
@@ -150,15 +152,16 @@ async def _restore_at_start(options: ServeOptions, coordinator: Coordinator) -> 
                 await fleet.open_admission()
                 return True
             checkpoint_id = found
-        answer = await checkpointer.call(
+        answer = await checkpointer.run(
             "restore", {"checkpoint_id": checkpoint_id, "deadline_s": RESTORE_DEADLINE_S}
         )
-        await checkpointer.call("resume", {"checkpoint_id": checkpoint_id})
+        await checkpointer.run("resume", {"checkpoint_id": checkpoint_id})
     except TetherError as error:
         print(f"tether serve: --restore {checkpoint_id}: {error.code}: {error.detail}",
               file=sys.stderr)
         return False
-    await fleet.open_admission()
+    finally:
+        checkpointer.holding = None
     log.info("restored", checkpoint_id=checkpoint_id, sessions=answer["installed_sessions"],
              placed=answer["placed_sessions"])
     return True
@@ -187,15 +190,18 @@ async def _serve(
         coordinator.handler_for,
         on_channel=coordinator.on_channel,
     )
-    if workers > 1:
-        coordinator.fleet = ChannelFleet(coordinator, runtime_dir)
-        coordinator.checkpointer = Checkpointer(
-            coordinator.fleet, name=options.name, root=options.checkpoint_root
-        )
-        coordinator.checkpointer.start()
-        # A restore at start-up keeps admission closed until it is done, so old cookies
-        # never meet empty state.
-        coordinator.fleet.closed = options.restore is not None
+    # The checkpointer runs here whatever the worker count: one place for the phase,
+    # the remembered IDs and the retire marks, which outlive any worker.
+    coordinator.fleet = ChannelFleet(coordinator, runtime_dir)
+    coordinator.checkpointer = Checkpointer(
+        coordinator.fleet, name=options.name, root=options.checkpoint_root
+    )
+    coordinator.checkpointer.start()
+    # A restore at start-up keeps admission closed until it is done, so old cookies
+    # never meet empty state.
+    coordinator.fleet.closed = options.restore is not None
+    if options.restore is not None:
+        coordinator.checkpointer.holding = f"restoring {options.restore} at start; retry shortly"
     await channels.start()
     stop = asyncio.Event()
     exit_code = 0

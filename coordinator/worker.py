@@ -25,17 +25,16 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tether.checkpoint.checkpointer import Checkpointer
 from tether.checkpoint.control import ControlApp
-from tether.checkpoint.fleet import LocalFleet
 from tether.checkpoint.participant import Held, Participant, declared_participant
-from tether.checkpoint.segments import IndexEntry, read_index
-from tether.checkpoint.store import resolve_latest
+from tether.checkpoint.segments import read_index
 from tether.coordinator.apps import AppError, Preset, import_app, resolve_kind
 from tether.coordinator.channel import Channel, ChannelLost, connect
 from tether.coordinator.lifespan import AppLifespan
+from tether.coordinator.reports import ReadinessReporter, Report
 from tether.coordinator.runtime import COORDINATOR_SOCKET
 from tether.routing.errors import TetherError
+from tether.routing.fence import set_close_window
 from tether.routing.kinds import SessionKind
 from tether.routing.logs import LogFormat, configure_logging
 from tether.routing.mcp import share_request_state_key
@@ -46,7 +45,11 @@ log = structlog.get_logger("tether.worker")
 
 CONFIG_ENV = "TETHER_WORKER"
 REGISTER_TIMEOUT_S = 30.0
-RELAY_TIMEOUT_S = 120.0
+DEFAULT_CALL_DEADLINE_S = 60.0
+"""SPEC 5.4's default `deadline_s`."""
+RELAY_MARGIN_S = 30.0
+"""How much longer than its deadline a relayed call is waited for: its answer may follow
+the deadline (a blocked prepare answers at it, a commit cleans up after it)."""
 FORCE_EXIT_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 600.0
 REPORT_TIMEOUT_S = 5.0
@@ -106,12 +109,7 @@ class TetherWorker:
             drain_s=settings.uvicorn.get("timeout_graceful_shutdown"),
         )
         self.participant.worker = self.routing.id
-        self.checkpointer: Checkpointer | None = None
-        if settings.workers == 1:
-            fleet = LocalFleet(self.participant, None, self.routing.is_open, self.routing.stats)
-            self.checkpointer = Checkpointer(
-                fleet, name=settings.name, root=settings.checkpoint_root
-            )
+        self.reports = ReadinessReporter(self.participant, self._send_report)
         self.server: uvicorn.Server | None = None
         self.channel: Channel | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -136,11 +134,9 @@ class TetherWorker:
         app_lifespan = AppLifespan(self.app, scope, self.settings.lifespan)
         try:
             await app_lifespan.startup()
-            await self.routing.start()
-            if self.checkpointer is not None:
-                self.checkpointer.start()
-                await self._restore()
+            # Registered and welcomed before any socket of this worker accepts (SPEC 3).
             await self._register()
+            await self.routing.start()
         except Exception as error:
             problem = str(error) if isinstance(error, RuntimeError) else repr(error)
             log.debug("worker_start_failed", exc_info=True)
@@ -174,43 +170,24 @@ class TetherWorker:
         self._apply_live(welcome["live"])
         if welcome.get("admission_closed"):
             self.participant.close_admission()
+            self.reports.start()  # its first report follows at once
         self.participant.set_retired(welcome.get("retired") or {})
         await self._apply_tables(welcome.get("tables"))
-        if self.settings.workers > 1:
-            self.participant.remote = _CoordinatorRecords(self.channel)
-            self.participant.handback_dir = Path(self.settings.runtime_dir) / "handback"
-            self.participant.handback_dir.mkdir(mode=0o700, exist_ok=True)
+        self.participant.remote = _CoordinatorRecords(self.channel)
+        self.participant.handback_dir = Path(self.settings.runtime_dir) / "handback"
+        self.participant.handback_dir.mkdir(mode=0o700, exist_ok=True)
         self._watch = asyncio.create_task(self._watch_coordinator(), name="tether-coordinator")
         log.info("worker_registered", live=len(welcome["live"]))
 
-    async def _restore(self) -> None:
-        """`--restore ID|latest`: restore, then resume, before serving any request."""
-        checkpoint_id = self.settings.restore
-        if checkpoint_id is None or self.checkpointer is None:
-            return
-        if checkpoint_id == "latest":
-            assert self.settings.checkpoint_root is not None
-            checkpoint_id = await asyncio.to_thread(
-                resolve_latest, self.settings.checkpoint_root, self.settings.name
-            )
-            if checkpoint_id is None:
-                log.info("no_checkpoint_yet", restore="latest")
-                return
-        answer = await self.checkpointer.call(
-            "restore", {"checkpoint_id": checkpoint_id, "deadline_s": RESTORE_DEADLINE_S}
-        )
-        await self.checkpointer.call("resume", {"checkpoint_id": checkpoint_id})
-        log.info("restored", checkpoint_id=checkpoint_id,
-                 sessions=answer["installed_sessions"], episodes=len(answer["held_episodes"]))
-
     async def _control(self, call: str, body: dict[str, Any]) -> Any:
-        if self.checkpointer is not None:
-            return await self.checkpointer.call(call, body)
         return await self._relay(call, body)
 
+    async def _send_report(self, report: Report) -> None:
+        if self.channel is not None:
+            await self.channel.notify("readiness", report)
+
     async def _stop_routing(self) -> None:
-        if self.checkpointer is not None:
-            await self.checkpointer.stop()
+        await self.reports.stop()
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -250,17 +227,22 @@ class TetherWorker:
         participant = self.participant
         if kind == "close_admission":
             participant.close_admission()
+            self.reports.start()
+            return self.reports.report()  # the first report, with the call's answer
         elif kind == "open_admission":
             participant.open_admission()
+            await self.reports.stop()
         elif kind == "blockers":
             return participant.blockers()._asdict()
         elif kind == "fresh":
             return participant.is_fresh()
         elif kind == "export":
             scope = None if body["scope"] is None else frozenset(body["scope"])
-            carried = [_held(record) for record in body["carried"]]
+            carried = [Held.from_body(record) for record in body["carried"]]
+            # One worker routes nothing: its records name no owner (SPEC 5.1).
+            owner = self.id if self.settings.workers > 1 else None
             export = asyncio.ensure_future(participant.export(
-                Path(body["path"]), scope, self.id, self.routing.is_open, carried
+                Path(body["path"]), scope, owner, self.routing.is_open, carried
             ))
             self._exports.add(export)
             try:
@@ -294,9 +276,11 @@ class TetherWorker:
                 stopping.cancel()
             await asyncio.gather(*installing, return_exceptions=True)
             await participant.release_all()
+            if self.routing.claims is not None:
+                self.routing.claims.release_all()
             self.routing.tables.placed, self.routing.tables.aliases = {}, {}
         elif kind == "retire":
-            return await participant.retire(body["episode_id"], body["attempt"])
+            return await participant.retire(body["episode_id"], body["attempt"], body["within_s"])
         elif kind == "forget":
             return participant.forget(body["episode_ids"])
         return None
@@ -335,9 +319,23 @@ class TetherWorker:
         self.routing.tables.set_live([*live, self.id])
 
     async def _relay(self, call: str, body: Any) -> Any:
+        """A control call, answered by the coordinator. It waits as long as the call's own
+        deadline allows (and a margin for the answer); the work itself goes on in the
+        coordinator whatever happens to this worker or its client."""
         if self.channel is None:
             raise TetherError("worker_unreported", "this worker is not registered yet")
-        return await self.channel.request(call, body, timeout=RELAY_TIMEOUT_S)
+        deadline = body.get("deadline_s") if isinstance(body, dict) else None
+        timeout = (deadline or DEFAULT_CALL_DEADLINE_S) + RELAY_MARGIN_S
+        try:
+            return await self.channel.request(call, body, timeout=timeout)
+        except TimeoutError:
+            raise TetherError(
+                "deadline_exceeded", f"{call} did not answer within {timeout:.0f} s"
+            ) from None
+        except ChannelLost:
+            raise TetherError(
+                "worker_unreported", "this worker lost its coordinator; retry on another"
+            ) from None
 
 
 _PARTICIPANT_CALLS = frozenset({
@@ -345,11 +343,6 @@ _PARTICIPANT_CALLS = frozenset({
     "install",
     "release_installed", "retire", "forget",
 })
-
-
-def _held(body: dict[str, Any]) -> Held:
-    return Held(body["episode_id"], body["attempt"], Path(body["path"]),
-                IndexEntry(*body["entry"]))
 
 
 class _CoordinatorRecords:
@@ -362,18 +355,13 @@ class _CoordinatorRecords:
         body = await self.channel.request(
             "claim_episode", {"episode_id": episode_id, "attempt": attempt}
         )
-        return None if body is None else _held(body)
+        return None if body is None else Held.from_body(body)
 
     async def done(self, episode_id: str) -> None:
         await self.channel.request("episode_done", {"episode_id": episode_id})
 
     async def hand_back(self, held: Held) -> None:
-        assert held.path is not None
-        assert held.entry is not None
-        await self.channel.request("hand_back", {
-            "episode_id": held.episode_id, "attempt": held.attempt,
-            "path": str(held.path), "entry": list(held.entry),
-        })
+        await self.channel.request("hand_back", held.body())
 
 
 async def report_startup_failure(settings: WorkerSettings, problem: str) -> None:
@@ -408,6 +396,8 @@ def main() -> None:
     except AppError as error:
         asyncio.run(report_startup_failure(settings, str(error)))
         sys.exit(STARTUP_FAILED_EXIT)
+    if kind is not None:
+        set_close_window(kind.close_window_s)
     worker = TetherWorker(app, kind, settings)
     configure_logging(settings.log_format, settings.log_level, worker_id=worker.id)
     listener = socket.socket(fileno=settings.fd)

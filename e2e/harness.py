@@ -73,6 +73,7 @@ SPEC_ERRORS = {
     "stale_attempt": 409,
     "attempt_mismatch": 409,
     "worker_unreported": 503,
+    "worker_lost": 503,  # issue 12: a worker exited during the call; retry
     "unsupported_topology": 409,
 }
 
@@ -491,6 +492,12 @@ class Http:
         the SPEC's status (a route the app lacks may answer a plain 404 or 405)."""
         return [reply for reply in self.replies if _misfit(reply)]
 
+    def off_the_table(self) -> list[Reply]:
+        """Replies so far that are an error (4xx or 5xx) whose code is not one of the
+        SPEC's table with the table's status: a 503 `checkpoint_parked` is on the table,
+        a 500 without a code or a 404 `not_found` is not."""
+        return [reply for reply in self.replies if off_the_table(reply)]
+
 
 def _misfit(reply: Reply) -> bool:
     if reply.status >= 500:
@@ -500,6 +507,13 @@ def _misfit(reply: Reply) -> bool:
     if reply.code is None:
         return reply.status not in (404, 405)
     return SPEC_ERRORS.get(reply.code) != reply.status
+
+
+def off_the_table(reply: Reply) -> bool:
+    """An error reply whose code and status are not a row of the SPEC's table."""
+    return reply.status >= 400 and (
+        reply.code is None or SPEC_ERRORS.get(reply.code) != reply.status
+    )
 
 
 async def raw_exchange(
@@ -541,6 +555,131 @@ async def raw_exchange(
         writer.transport.abort()  # drop whatever body is still queued
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
+
+
+class Connection:
+    """One kept-alive HTTP/1.1 connection: every request on it reaches the worker that
+    accepted it. `owner` finds that worker's process from /proc (the kernel's TCP table
+    names the accepted socket's inode, and one worker holds a descriptor for it), so a
+    test can tell, pick or kill the worker a call lands on."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.server_port: int = writer.get_extra_info("peername")[1]
+        self.local_port: int = writer.get_extra_info("sockname")[1]
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> Connection:
+        reader, writer = await asyncio.open_connection(host, port)
+        return cls(reader, writer)
+
+    async def owner(self, pids: Iterable[int], within: float = 10.0) -> int:
+        """The pid, among `pids`, of the worker that accepted this connection (once one
+        has: until then the connection waits in the listening socket's queue)."""
+        candidates = list(pids)
+
+        def find() -> int | None:
+            return _holder(candidates, _accepted_inodes(self.server_port, self.local_port))
+
+        pid: int = await eventually(
+            find, within, f"one of {candidates} accepts the connection from {self.local_port}",
+            every=0.01,
+        )
+        return pid
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        partial: bool = False,
+    ) -> bytes:
+        """Write one request; with `partial`, everything but the body's last byte (which
+        `finish` sends), so that the handler waits for its body. Returns what is unsent."""
+        payload = b"" if json is None else _json_bytes(json)
+        lines = [f"{method} {path} HTTP/1.1", "host: tether", f"content-length: {len(payload)}"]
+        if json is not None:
+            lines.append("content-type: application/json")
+        lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+        raw = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload
+        held = raw[-1:] if partial and payload else b""
+        self._writer.write(raw[: len(raw) - len(held)])
+        return held
+
+    def finish(self, rest: bytes) -> None:
+        """Send what `send(partial=True)` kept back."""
+        self._writer.write(rest)
+
+    async def reply(self, method: str = "", path: str = "",
+                    within: float = REQUEST_TIMEOUT_S) -> Reply:
+        """Read one reply (raises `asyncio.IncompleteReadError` or `ConnectionError` if
+        the worker went away first)."""
+        async with asyncio.timeout(within):
+            raw_head = await self._reader.readuntil(b"\r\n\r\n")
+            status_line, *lines = raw_head.decode("latin-1").split("\r\n")
+            headers: dict[str, str] = {}
+            cookies: list[str] = []
+            for line in lines:
+                if line:
+                    name, _, value = line.partition(":")
+                    headers[name.strip().lower()] = value.strip()
+                    if name.strip().lower() == "set-cookie":
+                        cookies.append(value.strip())
+            payload = await self._reader.readexactly(int(headers.get("content-length", "0")))
+        return Reply(method, path, int(status_line.split()[1]), payload, headers, cookies)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        within: float = REQUEST_TIMEOUT_S,
+    ) -> Reply:
+        self.send(method, path, json=json, headers=headers)
+        return await self.reply(method, path, within)
+
+    async def close(self) -> None:
+        self._writer.transport.abort()
+        with contextlib.suppress(ConnectionError):
+            await self._writer.wait_closed()
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _accepted_inodes(server_port: int, client_port: int) -> set[int]:
+    """Inodes of the accepted sockets of one TCP connection (server side), from the
+    kernel's tables; a connection not yet accepted has inode 0 and is left out."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, remote, inode = fields[1], fields[2], int(fields[9])
+                if (inode and int(local.rsplit(":", 1)[1], 16) == server_port
+                        and int(remote.rsplit(":", 1)[1], 16) == client_port):
+                    found.add(inode)
+    return found
+
+
+def _holder(pids: Iterable[int], inodes: set[int]) -> int | None:
+    """The process among `pids` with a descriptor for one of the socket `inodes`."""
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    if not wanted:
+        return None
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                        return pid
+    return None
 
 
 # The counter app ---------------------------------------------------------------------

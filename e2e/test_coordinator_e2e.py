@@ -212,6 +212,8 @@ async def test_a_worker_lost_during_an_open_checkpoint_blocks_it_until_resume(
         os.kill(victim["pid"], signal.SIGKILL)
         after = await live_workers(server, http, 4, without=victim["id"])
         assert (after["phase"], after["checkpoint_id"]) == ("prepared", "lost-1")
+        # Status shows the blockers a commit would find (issue 12, point 7).
+        assert [b["kind"] for b in after["blockers"]] == ["worker_lost"], after
 
         # Even with four workers registered again, the checkpoint stays blocked.
         again = await ok(server, http, "prepare", checkpoint_id="lost-1", deadline_s=0.5)
@@ -226,6 +228,35 @@ async def test_a_worker_lost_during_an_open_checkpoint_blocks_it_until_resume(
         fresh = await ok(server, http, "prepare", checkpoint_id="lost-2", deadline_s=10)
         assert fresh["state"] == "prepared", fresh
         await ok(server, http, "resume", checkpoint_id="lost-2")
+
+
+async def test_a_prepare_waiting_on_workers_is_told_by_their_reports_not_by_polling(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """Workers push numbered readiness reports while admission is closed; a prepare that
+    waits 2 s on a running episode moves about 2 KB on the channels, where asking every
+    worker each 50 ms moved ~18 KB (more with long blocker lists; issue 12, point 7)."""
+    server = serve(EPISODES_APP, 4, *ckpt_args(tmp_path / "ckpt", name=EPISODES_NAME))
+    async with Http(server.url) as http:
+        run = asyncio.create_task(http.request(
+            "POST", "/run", json={"episode_id": "slow", "attempt": 1, "steps": 1,
+                                  "step_ms": 4000}))
+        await eventually(lambda: episodes_running(server, http), 10, "the episode runs")
+        before = (await status(server, http))["channel_bytes"]
+        waited = await ok(server, http, "prepare", checkpoint_id="quiet", deadline_s=2)
+        after = (await status(server, http))["channel_bytes"]
+        assert waited["state"] == "blocked"
+        assert [b["kind"] for b in waited["blockers"]] == ["episode_running"], waited
+        assert after - before < 8_000, after - before  # measured: ~2 KB; polling: ~18 KB
+        # The episode parks at its boundary: its worker reports it, the prepare sees it.
+        ready = await ok(server, http, "prepare", checkpoint_id="quiet", deadline_s=10)
+        assert ready["state"] == "prepared", ready
+        await ok(server, http, "resume", checkpoint_id="quiet")
+        assert (await run).status == 200
+
+
+async def episodes_running(server: Server, http: Http) -> bool:
+    return any(w["episodes"] for w in (await status(server, http))["workers"])
 
 
 async def test_fewer_registered_workers_than_configured_block_prepare(

@@ -38,6 +38,10 @@ class ClaimStore(Protocol):
         ...
 
 
+CLAIM_ATTEMPTS = 3
+"""Links tried before a claim file that names no worker is reported, not looped on."""
+
+
 class FileClaimStore:
     """Claims as files: one per session, named by a hash of its ID.
 
@@ -67,15 +71,18 @@ class FileClaimStore:
         finally:
             os.close(fd)
         try:
-            os.link(temp, path)
-        except FileExistsError:
-            existing = self.claimant(session_id)
-            if existing is not None:
-                return existing
-            return self.claim(session_id, worker)  # released between link and read
+            for _ in range(CLAIM_ATTEMPTS):
+                try:
+                    os.link(temp, path)
+                except FileExistsError:
+                    existing = self.claimant(session_id)
+                    if existing is not None:
+                        return existing
+                    continue  # released between link and read, or names no worker
+                return worker
         finally:
             os.unlink(temp)
-        return worker
+        raise TetherError("session_conflict", f"the claim file of {session_id!r} names no worker")
 
     def claimant(self, session_id: SessionId) -> WorkerId | None:
         # os.open/read/close: three system calls; buffered open() makes seven.
@@ -174,6 +181,16 @@ class WorkerClaims:
         self.lifetimes.forget(session_id)
         self.store.release(session_id, self.worker)
         return True
+
+    def release_all(self) -> int:
+        """Release every claim of this worker that no request is using (a restore given
+        up: what it placed here is gone again); returns how many."""
+        released = [sid for sid in self._mine if sid not in self._serving]
+        for session_id in released:
+            self._mine.discard(session_id)
+            self.lifetimes.forget(session_id)
+            self.store.release(session_id, self.worker)
+        return len(released)
 
     def sweep(self) -> list[SessionId]:
         """Release every claim whose lifetime has ended and that no request is using."""

@@ -47,6 +47,7 @@ ErrorCode = Literal[
     "stale_attempt",
     "attempt_mismatch",
     "worker_unreported",
+    "worker_lost",
     "unsupported_topology",
     "internal_error",
 ]
@@ -80,11 +81,15 @@ ERRORS: dict[ErrorCode, tuple[int, str]] = {
     "stale_attempt": (409, "attempt retired, or older than the held record's"),
     "attempt_mismatch": (409, "attempt beyond the one the held record expects"),
     "worker_unreported": (503, "a worker did not confirm in time"),
+    "worker_lost": (503, "a worker exited during the call; the checkpoint is intact, retry"),
     "unsupported_topology": (409, "plain uvicorn with several workers"),
     "internal_error": (500, "an unexpected failure, logged where it happened"),
 }
 
 assert set(ERRORS) == set(get_args(ErrorCode)), "every code needs a status and meaning"
+
+
+RETRY_AFTER_S = "1"
 
 
 class TetherError(Exception):
@@ -100,6 +105,10 @@ class TetherError(Exception):
     def status(self) -> int:
         return ERRORS[self.code][0]
 
+    def headers(self) -> list[tuple[str, str]]:
+        """The headers sent with it: a 503 says when to retry."""
+        return [("retry-after", RETRY_AFTER_S)] if self.status == 503 else []
+
     def body(self) -> dict[str, Any]:
         """The JSON body every tether error is sent as."""
         return {"code": self.code, "detail": self.detail, **self.extra}
@@ -113,7 +122,19 @@ async def send_error(
     send: Send, error: TetherError, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     """Answer a request with `error` as JSON, on a raw ASGI send."""
-    await send_json(send, error.status, error.body(), headers)
+    await send_json(send, error.status, error.body(), with_error_headers(error, headers))
+
+
+def with_error_headers(
+    error: TetherError, headers: list[tuple[bytes, bytes]] | None
+) -> list[tuple[bytes, bytes]]:
+    """`headers` plus the error's own (`Retry-After` on a 503) unless already there."""
+    given = list(headers or [])
+    names = {name for name, _ in given}
+    for name, value in error.headers():
+        if name.encode() not in names:
+            given.append((name.encode(), value.encode()))
+    return given
 
 
 async def send_json(

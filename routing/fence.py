@@ -42,20 +42,36 @@ def lost_verification(session_id: str, failure_kind: str = SESSION_LOST) -> dict
 async def tether_error_response(request: Request, exc: Exception) -> Response:
     """A Starlette exception handler answering a `TetherError` with its status and code."""
     assert isinstance(exc, TetherError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=dict(exc.headers()))
+
+
+_server_window_s = DEFAULT_CLOSE_WINDOW_S
+
+
+def set_close_window(seconds: float) -> None:
+    """The close window of the server this process serves (`tether serve` sets it at
+    start from the session kind); fences made without a window of their own follow it."""
+    global _server_window_s
+    _server_window_s = seconds
 
 
 class SessionFence:
     """Per-session locks, closed records and episode bindings for one worker's app."""
 
     def __init__(
-        self, window_s: float = DEFAULT_CLOSE_WINDOW_S, clock: Callable[[], float] = time.monotonic
+        self, window_s: float | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.window_s = window_s
+        """`window_s`: how long closed records are kept; by default the server's close
+        window (`--close-window`), so a fence never outlives or undercuts the claim."""
+        self._window_s = window_s
         self.clock = clock
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._closed: OrderedDict[str, tuple[float, str | None]] = OrderedDict()
         self._bound: dict[str, str] = {}
+
+    @property
+    def window_s(self) -> float:
+        return _server_window_s if self._window_s is None else self._window_s
 
     @asynccontextmanager
     async def locked(self, session_id: str) -> AsyncIterator[None]:

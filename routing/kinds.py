@@ -243,7 +243,6 @@ def mcp_kind(**options: Any) -> SessionKind:
         "closes": (),
         "starts": (),
         "ends": ("DELETE /mcp",),
-        "stateless": (),
         "background": ("GET /mcp",),
         "reply_header": "mcp-session-id",
         "gone_as_jsonrpc": True,

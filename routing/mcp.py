@@ -41,7 +41,7 @@ from typing import Any
 
 from starlette.types import Send
 
-from tether.routing.errors import ERRORS, TetherError, send_json
+from tether.routing.errors import ERRORS, TetherError, send_json, with_error_headers
 
 SESSION_NOT_FOUND = -32600
 """JSON-RPC `INVALID_REQUEST`, as the SDK's own 404 for a session it does not know."""
@@ -69,7 +69,7 @@ async def send_jsonrpc_error(
 ) -> None:
     """Answer a request with `error` as a JSON-RPC error body, on a raw ASGI send."""
     status, body = jsonrpc_error(error)
-    await send_json(send, status, body, headers)
+    await send_json(send, status, body, with_error_headers(error, headers))
 
 
 def sdk_line() -> int | None:

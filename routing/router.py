@@ -17,7 +17,7 @@ import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether.routing.claims import WorkerClaims
-from tether.routing.errors import TetherError, send_error, send_json
+from tether.routing.errors import TetherError, send_error
 from tether.routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
 from tether.routing.hop import hop_value, strip_hop, take_hop
 from tether.routing.kinds import SessionKind
@@ -30,7 +30,8 @@ from tether.routing.types import SessionId, WorkerId, new_session_id, session_id
 log = structlog.get_logger("tether.router")
 
 CONTROL_PREFIX = "/_tether/"
-RETRY_AFTER = [(b"retry-after", b"1")]
+NO_KIND = SessionKind()
+"""What admission assumes of an app that declares no kind: `/health` stays served."""
 SCOPE_KEY = "tether.session_id"
 WORKER_KEY = "tether.worker"
 ROUTER_KEY = "tether.router"
@@ -123,7 +124,7 @@ class Router:
 
     async def _control(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.control is None:
-            await send_json(send, 404, {"code": "not_found", "detail": "no control API here"})
+            await send_error(send, TetherError("invalid_request", "no control API here"))
         else:
             await self.control(scope, receive, send)
 
@@ -217,9 +218,7 @@ class Router:
             else:
                 await self._gone(send, scope.get(SCOPE_KEY))
         except ClaimantUnavailable as error:
-            await self._refuse(
-                send, TetherError("claimant_unavailable", str(error)), headers=RETRY_AFTER
-            )
+            await self._refuse(send, TetherError("claimant_unavailable", str(error)))
 
     async def _gone(self, send: Send, session_id: SessionId | None) -> None:
         await self._refuse(
@@ -247,16 +246,16 @@ class Router:
         """Serve here, claiming the session before the reply's first byte if it was used."""
         leave = None
         if self.admission is not None:
-            kind = self.kind
+            kind = self.kind or NO_KIND
             request = (scope["method"], route_path(scope))
             try:
                 leave = await self.admission.enter(
                     session_id,
-                    stateless=kind is not None and request in kind.stateless_routes,
-                    background=kind is not None and request in kind.background_routes,
+                    stateless=request in kind.stateless_routes,
+                    background=request in kind.background_routes,
                 )
             except TetherError as error:
-                await self._refuse(send, error, headers=RETRY_AFTER)
+                await self._refuse(send, error)
                 return
         try:
             await self._serve_admitted(session_id, found, scope, receive, send)

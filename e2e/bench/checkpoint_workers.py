@@ -1,6 +1,6 @@
 """The checkpoint benchmark at several workers: SPEC 11's scale benchmark.
 
-    .venv/bin/python -m e2e.bench.checkpoint --workers 4 --restore-onto 4,2,6 [--reps 3]
+    .venv/bin/python -m e2e.bench.checkpoint --workers 4 --restore-onto 2,4,6 [--reps 3]
         [--sessions 100000] [--episodes 10000] [--state-bytes 2048] [--step-ms 500] [--no-doc]
 
 `e2e/bench/checkpoint.py` runs this when `--workers` is above 1. Each repetition:
@@ -19,9 +19,12 @@
    read + unpack baseline in a fresh process, then the restore and resume control calls,
    timed, and the channel bytes the restore moved. Checked: every session restored
    exactly (`GET /bench/digest`'s order-independent `sum` of every worker adds up to A's),
-   every episode held for attempt 2, the tables hold every session. Measured: each
-   worker's routing tables (`GET /bench/tables`: the placed-session and owner-alias
-   dicts, by `sys.getsizeof`) and its RSS right before and right after the restore call.
+   the workers' session counts differ by at most one (SPEC 5.7), every episode held for
+   attempt 2, the tables hold every session. Measured: each worker's routing tables
+   (`GET /bench/tables`: the placed-session and owner-alias dicts, by `sys.getsizeof`),
+   its RSS, and what it read (`/proc/PID/io`: bytes and calls of read system calls, so
+   the bytes ÷ (segment bytes ÷ M) shows whether it read only its share) right before
+   and right after the restore call.
 
 Figures are medians over the repetitions, each ratio taken within its repetition. The
 checkpoint root and logs are in a temporary directory removed at the end; every server is
@@ -115,6 +118,13 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def read_io(pid: int) -> dict[str, int]:
+    """What the process has read so far through read system calls (`rchar`: bytes, page
+    cache hits included; `syscr`: calls), from /proc/PID/io."""
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return {"bytes": int(fields["rchar"]), "calls": int(fields["syscr"])}
 
 
 def sessions_by_worker(status: dict[str, Any]) -> dict[str, int | None]:
@@ -245,11 +255,13 @@ def restore_round(
         baseline = baseline_restore_fresh(work / f"baseline-{rep}.msgpack")
         channel_before = control.call("status")[0]["channel_bytes"]
         rss_before = {pid: rss_bytes(pid) for pid in fresh.worker_pids}
+        io_before = {pid: read_io(pid) for pid in fresh.worker_pids}
         main_cpu = cpu_seconds(fresh.process.pid)
         with measure(fresh.worker_pids) as restore:
             answer, _ = control.call("restore", checkpoint_id=checkpoint_id)
         coordinator_cpu = cpu_seconds(fresh.process.pid) - main_cpu
         rss_after = {pid: rss_bytes(pid) for pid in fresh.worker_pids}
+        io_after = {pid: read_io(pid) for pid in fresh.worker_pids}
         channel_after = control.call("status")[0]["channel_bytes"]
         _, resume_s = control.call("resume", checkpoint_id=checkpoint_id)
         status, _ = control.call("status")
@@ -282,6 +294,10 @@ def restore_round(
         "tables": tables,
         "rss_before": {by_pid[pid]: value for pid, value in rss_before.items()},
         "rss_after_restore": {by_pid[pid]: value for pid, value in rss_after.items()},
+        "read_bytes": {by_pid[pid]: io_after[pid]["bytes"] - io_before[pid]["bytes"]
+                       for pid in fresh.worker_pids},
+        "read_calls": {by_pid[pid]: io_after[pid]["calls"] - io_before[pid]["calls"]
+                       for pid in fresh.worker_pids},
         "stop": stopped,
     }
 
@@ -352,6 +368,9 @@ def run(reps: int, scale: Scale, workers: int, onto: Sequence[int]) -> dict[str,
             "placed-session and owner-alias dicts, their keys and each distinct value once",
             "rss": "each worker's VmRSS right before and right after the restore call (it "
             "loads the tables and installs the worker's sessions)",
+            "read": "each worker's rchar and syscr (/proc/PID/io: bytes and calls of read "
+            "system calls, page cache hits included) right before and right after the "
+            "restore call; the share divides the bytes by segment bytes ÷ M",
         },
         "work_dir_removed": not work.exists(),
         "seconds": round(time.perf_counter() - started, 1),
@@ -419,6 +438,12 @@ def derived(r: dict[str, Any]) -> dict[str, Any]:
         }
         g = figures[f"onto_{onto}"]
         g["restore_throughput_ratio"] = g["restore_mb_s"] / g["baseline_restore_mb_s"]
+        # Bytes each worker read over the restore call ÷ its even share of the segments:
+        # 1.0 is reading exactly 1/M of them (the tables file and indexes add a little).
+        share = t["segment_bytes"] / int(onto)
+        g["read_share_max"] = max(b["read_bytes"].values()) / share
+        g["read_share_min"] = min(b["read_bytes"].values()) / share
+        g["read_calls_max"] = max(b["read_calls"].values())
     return figures
 
 
@@ -526,6 +551,10 @@ def checks(result: dict[str, Any]) -> dict[str, Any]:
                 problems.append(f"{where}: the restored sessions differ ({restored} held)")
             if b["sessions_by_worker"] != b["digest_sessions"]:
                 problems.append(f"{where}: status and digests count sessions differently")
+            held = b["digest_sessions"].values()
+            if max(held) - min(held) > 1:  # SPEC 5.7, 11: spread over every worker
+                problems.append(f"{where}: sessions per worker differ by more than one: "
+                                f"{sorted(held, reverse=True)}")
             if b["held_episodes"] != scale["episodes"] or not b["held_attempts_ok"]:
                 problems.append(f"{where}: the restore holds {b['held_episodes']} episodes")
             if b["baseline_restore"]["records"] != expect["sessions"] + expect["episodes"]:
@@ -639,10 +668,11 @@ def restore_table(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| onto | sessions per worker | state digests | held episodes (attempt 2) "
+        "| onto | sessions per worker | bytes read per worker ÷ (segment bytes ÷ M), max / min "
+        "| read calls, most of any worker | state digests | held episodes (attempt 2) "
         "| channel bytes during the restore | restore call | CPU of the workers (sum) "
         "| resume | fresh server start |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     last = result["rounds"][-1]["restores"]
     ok = not result["checks"]["problems"]
@@ -651,6 +681,8 @@ def restore_table(result: dict[str, Any]) -> str:
         held = sorted(b["digest_sessions"].values(), reverse=True)
         lines.append(
             f"| {m} workers | {' / '.join(f'{n:,}' for n in held)} "
+            f"| {g['read_share_max']:.2f} / {g['read_share_min']:.2f} "
+            f"| {g['read_calls_max']:,.0f} "
             f"| {'all match' if ok else 'see checks'} | {b['held_episodes']:,} "
             f"| {g['restore_channel_bytes']:,.0f} | {g['restore_call_s']:.2f} s "
             f"| {g['restore_workers_cpu_s']:.2f} s | {g['restore_resume_s']:.3f} s "
@@ -711,6 +743,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                     "tables_bytes_per_worker",
                     "placed_bytes_per_entry",
                     "placed_key_bytes_per_entry",
+                    "read_share_max",
+                    "read_share_min",
                 )
             }
             for m in onto

@@ -1,7 +1,7 @@
 """In-process checkpoint nodes on real sockets.
 
-A *node* is one server of one worker, composed the way `tether serve --workers 1`
-composes its worker: a fresh app, its declared participant, a `Checkpointer` over a
+A *node* is one server of one worker, composed the way plain `uvicorn app:app` serves
+an app in-process: a fresh app, its declared participant, a `Checkpointer` over a
 `LocalFleet`, and a `RoutingWorker` with the control API and admission, served by a real
 uvicorn on 127.0.0.1 port 0. A *crash* stops a node; a *new* node (fresh app, fresh
 participant) on the same checkpoint root is what restarts after it.

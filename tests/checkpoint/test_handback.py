@@ -22,7 +22,7 @@ RESTORED = {"step": 3}
 def holding() -> Participant:
     """One worker holding attempt 1's record of episode `e`, parked at step 3."""
     participant = Participant()
-    participant.held["e"] = Held("e", 1, state=RESTORED)
+    participant.records.hold(Held("e", 1, state=RESTORED))
     return participant
 
 
@@ -63,8 +63,7 @@ async def test_a_record_whose_request_ends_during_a_checkpoint_stays_claimed_unt
 ) -> None:
     participant = holding()
     await parked_then_ended(participant)
-    held = participant.held["e"]
-    assert held.claimed_by is not None, "handed back while the checkpoint is open"
+    assert participant.held["e"].claimed_by is not None, "handed back while the checkpoint is open"
 
     exported = await participant.export(tmp_path / "segment.msgpack", None, None, lambda _: True)
     records = list(read_records(tmp_path / "segment.msgpack"))
@@ -74,8 +73,9 @@ async def test_a_record_whose_request_ends_during_a_checkpoint_stays_claimed_unt
     ]
 
     participant.open_admission()
-    await eventually(lambda: held.claimed_by is None, 5, "the record is held again")
-    assert (held.attempt, held.load()) == (1, {"step": 4})
+    await eventually(lambda: participant.held["e"].claimed_by is None, 5, "held again")
+    held = participant.held["e"]
+    assert (held.attempt, held.load(read_records)) == (1, {"step": 4})
     gate = asyncio.Event()
     retry = asyncio.create_task(run_attempt_2(participant, gate))
     try:
@@ -95,7 +95,7 @@ async def test_a_stopping_worker_hands_back_what_waits_for_admission_to_open() -
     await parked_then_ended(participant)
     await participant.hand_back_all()
     assert participant.held["e"].claimed_by is None
-    assert participant.held["e"].load() == {"step": 4}
+    assert participant.held["e"].load(read_records) == {"step": 4}
 
 
 async def test_a_worker_that_stops_as_it_cancels_a_parked_request_hands_its_record_back() -> None:
@@ -106,5 +106,5 @@ async def test_a_worker_that_stops_as_it_cancels_a_parked_request_hands_its_reco
     request.cancel()
     await participant.hand_back_all()
     assert participant.held["e"].claimed_by is None
-    assert participant.held["e"].load() == {"step": 4}
+    assert participant.held["e"].load(read_records) == {"step": 4}
     await asyncio.gather(request, return_exceptions=True)

@@ -3,19 +3,17 @@ time and no sockets (SPEC 5.2-5.6, 5.9)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import Any, get_args
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.checkpoint.phase_driver import T0, Driver
 from tether.checkpoint.phases import (
-    CLOSED,
     AbortAnswer,
     AbortDone,
-    Action,
     CallKey,
     CloseAdmission,
     CommitAnswer,
@@ -25,7 +23,6 @@ from tether.checkpoint.phases import (
     Join,
     LogExpired,
     OpenAdmission,
-    Phase,
     PhaseMachine,
     PrepareAnswer,
     ReadinessTimeout,
@@ -47,7 +44,6 @@ from tether.checkpoint.phases import (
 )
 from tether.routing.errors import TetherError
 
-T0 = 1_000.0
 MANIFEST = {"format": 1, "checkpoint_id": "c1", "records": {"sessions": 2, "episodes": 0}}
 RESTORED = {"installed_sessions": 2, "held_episodes": [], "placed_sessions": 2, "owner_aliases": 1}
 
@@ -177,21 +173,39 @@ def test_resume_from_a_closed_phase_opens_admission_and_remembers_the_id(state: 
     assert m.remembered("c1") == "resumed"
 
 
-def test_restore_on_a_fresh_server_moves_to_restored_without_touching_admission() -> None:
+def test_restore_on_a_fresh_server_closes_admission_and_moves_to_restored() -> None:
     m = PhaseMachine()
     step = m.restore("c1", T0, fresh=True, scope=["e1"], deadline_s=5)
     key = CallKey("restore", "c1", frozenset({"e1"}))
-    assert step.actions == (StartRestore(key, T0 + 5),)
+    assert step.actions == (CloseAdmission("c1"), StartRestore(key, T0 + 5))
     assert (m.phase, m.busy, m.lease_expires_at) == ("open", "restore", T0 + 305)
     done = m.handle(RestoreDone("c1", RESTORED), T0 + 1)
     assert done.answer == RestoreAnswer(RESTORED) and done.actions == ()
     assert status(m) == Status("restored", "c1", T0 + 305, ["e1"], None)
 
 
-def test_resume_from_restored_opens_without_an_admission_action() -> None:
+def test_a_dry_run_restore_leaves_admission_alone() -> None:
+    step = PhaseMachine().restore("c1", T0, fresh=True, dry_run=True)
+    assert [type(a) for a in step.actions] == [StartRestore]
+
+
+def test_a_failed_restore_reopens_admission() -> None:
+    m = PhaseMachine()
+    m.restore("c1", T0, fresh=True)
+    step = m.handle(RestoreFailed("c1", "worker_lost"), T0 + 1)
+    assert step.actions == (OpenAdmission("c1"),) and refused(step) == "worker_lost"
+
+
+def test_an_abort_reopens_admission() -> None:
+    m = restored(PhaseMachine())
+    m.abort_restore("c1", T0 + 1)
+    assert m.handle(AbortDone("c1"), T0 + 2).actions == (OpenAdmission("c1"),)
+
+
+def test_resume_from_restored_opens_admission() -> None:
     m = restored(PhaseMachine())
     step = m.resume("c1", T0 + 1)
-    assert step.actions == () and step.answer == ResumeAnswer()
+    assert step.actions == (OpenAdmission("c1"),) and step.answer == ResumeAnswer()
     assert m.phase == "open" and m.remembered("c1") == "resumed"
 
 
@@ -500,14 +514,16 @@ def test_an_expiry_inside_a_restore_fires_when_it_ends_and_leaves_it_unfresh() -
     assert m.tick(T0 + 1_000).actions == ()
     step = m.handle(RestoreDone("c1", RESTORED), T0 + 1_000)
     assert step.answer == RestoreAnswer(RESTORED)
-    assert step.actions == (LogExpired("c1", "restored", T0 + 360),)
+    assert step.actions == (OpenAdmission("c1"), LogExpired("c1", "restored", T0 + 360))
     assert m.phase == "open" and m.was_restored
     assert refused(m.restore("c2", T0 + 1_001, fresh=True)) == "not_fresh"
 
 
 def test_an_expired_restored_lease_leaves_the_server_open() -> None:
     m = restored(PhaseMachine())
-    assert m.tick(T0 + 360).actions == (LogExpired("c1", "restored", T0 + 360),)
+    assert m.tick(T0 + 360).actions == (
+        OpenAdmission("c1"), LogExpired("c1", "restored", T0 + 360)
+    )
     assert m.phase == "open"
 
 
@@ -533,7 +549,7 @@ def test_a_failed_restore_answers_its_code_and_stays_fresh() -> None:
     m = restoring(PhaseMachine())
     assert refused(m.handle(RestoreFailed("c1", "workers_missing"), T0 + 60)) == "workers_missing"
     assert status(m) == Status("open", None, None, None, None)
-    assert isinstance(m.restore("c1", T0 + 61, fresh=True).actions[0], StartRestore)
+    assert isinstance(m.restore("c1", T0 + 61, fresh=True).actions[-1], StartRestore)
 
 
 def test_abort_restore_releases_what_was_installed_and_returns_to_fresh() -> None:
@@ -544,7 +560,7 @@ def test_abort_restore_releases_what_was_installed_and_returns_to_fresh() -> Non
     assert m.handle(AbortDone("c1"), T0 + 2).answer == AbortAnswer()
     assert status(m) == Status("open", None, None, None, None)
     assert not m.was_restored
-    assert isinstance(m.restore("c1", T0 + 3, fresh=True).actions[0], StartRestore)
+    assert isinstance(m.restore("c1", T0 + 3, fresh=True).actions[-1], StartRestore)
 
 
 def test_in_restored_renew_and_status_are_accepted() -> None:
@@ -580,9 +596,6 @@ operations = st.one_of(
     st.tuples(st.just("finish"), st.integers(0, 7), st.booleans()),
     st.tuples(st.just("stray"), st.just(0), ids, st.integers(0, 6)),
 )
-STARTS_WORK = (WaitReady, WriteCheckpoint, StartRestore, ReleaseInstalled)
-
-
 def stray_event(cid: str, kind: int) -> Event:
     events: list[Event] = [
         Ready(cid),
@@ -594,95 +607,6 @@ def stray_event(cid: str, kind: int) -> Event:
         AbortDone(cid),
     ]
     return events[kind]
-
-
-def ending(action: Action, success: bool) -> Event:
-    """The event that ends the work an action started."""
-    match action:
-        case WaitReady(checkpoint_id=cid):
-            return Ready(cid) if success else ReadinessTimeout(cid, [{"kind": "x"}], 1)
-        case WriteCheckpoint(key=key):
-            if success:
-                return CommitDone(key.checkpoint_id, {"id": key.checkpoint_id})
-            return CommitFailed(key.checkpoint_id, "not_ready")
-        case StartRestore(key=key):
-            if success:
-                return RestoreDone(key.checkpoint_id, {})
-            return RestoreFailed(key.checkpoint_id, "corrupt_checkpoint")
-        case ReleaseInstalled(key=key):
-            return AbortDone(key.checkpoint_id)
-    raise AssertionError(action)
-
-
-class Driver:
-    """Plays the I/O layer: runs steps, tracks admission and unfinished work, and checks
-    the machine's invariants after every step."""
-
-    def __init__(self) -> None:
-        self.m = PhaseMachine(remember=3)
-        self.now = T0
-        self.closed = False
-        self.pending: list[Action] = []
-        self.lease_of: tuple[str | None, float | None] = (None, None)
-        self.named: list[str] = []
-
-    def resolve(self, which: str) -> str:
-        active = self.m.checkpoint_id
-        if which == "new" or not self.named or (which == "active" and active is None):
-            self.named.append(f"c{len(self.named)}")
-            return self.named[-1]
-        return {"active": active, "last": self.named[-1]}.get(which) or self.named[0]
-
-    def step(self, make: Callable[[], Step], ends_work: bool = False) -> Step:
-        m = self.m
-        busy_before, restored_before = m.busy, m.was_restored
-        step = make()
-        for action in step.actions:
-            if isinstance(action, CloseAdmission):
-                assert not self.closed
-                self.closed = True
-            elif isinstance(action, OpenAdmission):
-                assert self.closed
-                self.closed = False
-            elif isinstance(action, STARTS_WORK):
-                assert not (isinstance(action, StartRestore) and restored_before)
-                self.pending.append(action)
-        if any(isinstance(action, LogExpired) for action in step.actions):
-            assert busy_before is None or ends_work, "a lease never expires while busy"
-        self.check()
-        return step
-
-    def finish(self, action: Action, success: bool) -> None:
-        self.pending.remove(action)
-        event = ending(action, success)
-        step = self.step(lambda: self.m.handle(event, self.now), not isinstance(action, WaitReady))
-        refusal = step.answer if isinstance(step.answer, TetherError) else None
-        assert refusal is None or refusal.code != "internal_error", "started work ends cleanly"
-
-    def stray(self, event: Event) -> None:
-        step = self.step(lambda: self.m.handle(event, self.now), ends_work=True)
-        ended = not isinstance(step.answer, TetherError) or step.answer.code != "internal_error"
-        if ended and not isinstance(event, Ready | ReadinessTimeout):
-            self.pending = [action for action in self.pending if isinstance(action, WaitReady)]
-
-    def check(self) -> None:
-        m, phase = self.m, self.m.phase
-        assert phase in get_args(Phase)
-        assert self.closed == (phase in CLOSED)
-        assert m.remembered_count() <= 3
-        if phase != "open":
-            assert m.checkpoint_id is not None and m.lease_expires_at is not None
-            assert m.remembered(m.checkpoint_id) is None
-        if m.checkpoint_id is None:
-            assert m.busy is None and m.lease_expires_at is None
-        expected = {"commit": "prepared", "restore": "open", "abort_restore": "restored"}
-        assert expected.get(m.busy or "", phase) == phase
-        lease_at = m.lease_expires_at
-        if m.checkpoint_id is not None and m.busy is None:
-            assert lease_at is not None and self.now < lease_at, "a due lease has expired"
-        if self.lease_of[0] == m.checkpoint_id and None not in (self.lease_of[1], lease_at):
-            assert lease_at >= self.lease_of[1], "the lease only grows"  # type: ignore[operator]
-        self.lease_of = (m.checkpoint_id, lease_at)
 
 
 @settings(max_examples=500, deadline=None)
@@ -728,3 +652,8 @@ def test_random_calls_and_events_keep_the_machine_consistent(ops: list[tuple[Any
         for action in step.actions:
             if op[1] and action in d.pending:  # the I/O layer's work ends right away
                 d.finish(action, success=op[1] == 1)
+
+
+def test_renew_of_a_published_id_this_server_forgot_is_stale() -> None:
+    step = PhaseMachine().renew("gone", T0, published=True)
+    assert refused(step) == "stale_checkpoint"

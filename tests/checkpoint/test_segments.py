@@ -367,8 +367,9 @@ _records = st.one_of(
 
 
 def _session_ids(record: dict[str, Any]) -> object:
-    """Sessions are unique by ID within a segment; episodes need not be."""
-    return record["id"] if record["kind"] == "session" else id(record)
+    """Sessions are unique by ID within a segment, and so are episodes (the writer
+    refuses an episode twice)."""
+    return (record["kind"], record["id"] if record["kind"] == "session" else record["episode_id"])
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -71,3 +71,14 @@ def test_a_hash_collision_is_detected_not_routed(short_tmp: Path) -> None:
     with pytest.raises(TetherError) as caught:
         store.claimant(SessionId("real"))
     assert caught.value.code == "session_conflict"
+
+
+def test_a_claim_file_that_names_no_worker_is_a_conflict_not_a_loop(short_tmp: Path) -> None:
+    store = FileClaimStore(str(short_tmp))
+    store.claim(SessionId("s"), WorkerId("a" * 32))
+    (path,) = [p for p in short_tmp.iterdir() if not p.name.endswith(".tmp")]
+    path.write_text("not-a-worker\ns")
+    with pytest.raises(TetherError) as raised:
+        store.claim(SessionId("s"), WorkerId("b" * 32))
+    assert raised.value.code == "session_conflict"
+    assert [p.name for p in short_tmp.iterdir()] == [path.name], "no temp file is left"
