@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 from tether.checkpoint import phases as ph
+from tether.checkpoint.events import Change, Observer, PhaseChange, log_phase_change
 from tether.checkpoint.fleet import Fleet
 from tether.checkpoint.participant import Blockers
 from tether.checkpoint.store import begin_commit, load_checkpoint, sweep_temp
@@ -51,6 +52,10 @@ class Checkpointer:
         self._blockers = Blockers([], 0)
         self._calls: set[asyncio.Task[Any]] = set()
         """Calls being answered: each runs in a task of its own, owned here."""
+        self.observers: list[Observer] = [log_phase_change]
+        """Told of every phase change (logs; metrics add themselves)."""
+        self._closed_at: float | None = None
+        """When admission closed, on the monotonic clock (for the pause's length)."""
         self.holding: str | None = None
         """Why control calls are refused for now (a restore at start-up), or None."""
         fleet.on_change(self._changed.set)
@@ -179,12 +184,22 @@ class Checkpointer:
     async def _act(self, action: ph.Action, route: str, body: dict[str, Any]) -> Any:
         """Carry out one action; return the call's answer if the action produced it."""
         if isinstance(action, ph.CloseAdmission):
+            self._closed_at = time.monotonic()
             await self.fleet.close_admission()
             log.info("admission_closed", checkpoint_id=action.checkpoint_id)
         elif isinstance(action, ph.OpenAdmission):
             await self.fleet.open_admission()
             self._blockers = Blockers([], 0)
-            log.info("admission_opened", checkpoint_id=action.checkpoint_id)
+            paused = None if self._closed_at is None else time.monotonic() - self._closed_at
+            self._closed_at = None
+            reopened: dict[str, Change] = {"resume": "resumed", "tick": "expired",
+                                           "abort_restore": "aborted"}
+            change = reopened.get(route)
+            if change is None and route != "restore":  # a call found the lease run out
+                change = "expired"
+            if change is not None:
+                self._emit(PhaseChange(change, action.checkpoint_id, paused or 0.0,
+                                       paused_s=paused))
         elif isinstance(action, ph.LogExpired):
             log.warning("lease_expired", checkpoint_id=action.checkpoint_id, phase=action.phase)
         elif isinstance(action, ph.WaitReady):
@@ -233,6 +248,7 @@ class Checkpointer:
         return answer
 
     async def _wait_ready(self, action: ph.WaitReady) -> Any:
+        started = time.perf_counter()
         while True:
             self._changed.clear()
             blockers = await self.fleet.blockers()
@@ -248,6 +264,12 @@ class Checkpointer:
                 )
                 break
             await _wait(self._changed, min(READINESS_POLL_S, action.deadline - now))
+        answer = step.answer
+        if isinstance(answer, ph.PrepareAnswer):
+            self._emit(PhaseChange(
+                answer.state, action.checkpoint_id, time.perf_counter() - started,
+                code=None if answer.state == "prepared" else f"{answer.blockers_total} blockers",
+            ))
         return await self._carry_out(step, "prepare", {})
 
     async def _commit(self, action: ph.WriteCheckpoint) -> Any:
@@ -275,12 +297,16 @@ class Checkpointer:
         except Exception as error:  # the app's export or the disk: the commit fails, cleanly
             log.exception("commit_error", checkpoint_id=cid)
             event = ph.CommitFailed(cid, "commit_failed", f"{type(error).__name__}: {error}")
-        log.info(
-            "commit_finished",
-            checkpoint_id=cid,
-            ok=isinstance(event, ph.CommitDone),
-            seconds=round(time.perf_counter() - started, 3),
-        )
+        seconds = time.perf_counter() - started
+        if isinstance(event, ph.CommitDone):
+            segments = event.manifest.get("segments", [])
+            self._emit(PhaseChange(
+                "committed", cid, seconds, records=event.manifest.get("records"),
+                bytes=sum(int(segment.get("bytes", 0)) for segment in segments),
+                workers=len(event.manifest.get("workers", [])),
+            ))
+        else:
+            self._emit(PhaseChange("commit_failed", cid, seconds, code=event.code))
         return await self._carry_out(self.machine.handle(event, self.clock()), "commit", {})
 
     async def _write(self, cid: str, scope: frozenset[str] | None) -> dict[str, Any]:
@@ -316,6 +342,7 @@ class Checkpointer:
 
     async def _restore(self, action: ph.StartRestore) -> Any:
         key = action.key
+        started = time.perf_counter()
         event: ph.Event
         root, name = self._where()
         try:
@@ -333,8 +360,18 @@ class Checkpointer:
             event = ph.RestoreFailed(
                 key.checkpoint_id, "incompatible_state", f"{type(error).__name__}: {error}"
             )
-        log.info("restore_finished", checkpoint_id=key.checkpoint_id,
-                 ok=isinstance(event, ph.RestoreDone), dry_run=key.dry_run)
+        seconds = time.perf_counter() - started
+        if key.dry_run:
+            log.info("restore_dry_run", checkpoint_id=key.checkpoint_id,
+                     ok=isinstance(event, ph.RestoreDone), seconds=round(seconds, 3))
+        elif isinstance(event, ph.RestoreDone):
+            records = {"sessions": int(event.answer.get("installed_sessions", 0)),
+                       "episodes": len(event.answer.get("held_episodes", []))}
+            self._emit(PhaseChange("restored", key.checkpoint_id, seconds, records=records,
+                                   workers=self.fleet.expected_workers))
+        else:
+            self._emit(PhaseChange("restore_failed", key.checkpoint_id, seconds,
+                                   code=event.code))
         return await self._carry_out(self.machine.handle(event, self.clock()), "restore", {})
 
     async def _abort(self, action: ph.ReleaseInstalled) -> Any:
@@ -343,6 +380,13 @@ class Checkpointer:
         finally:
             step = self.machine.handle(ph.AbortDone(action.key.checkpoint_id), self.clock())
         return await self._carry_out(step, "abort_restore", {})
+
+    def _emit(self, event: PhaseChange) -> None:
+        for observer in self.observers:
+            try:
+                observer(event)
+            except Exception:  # an observer's bug must not fail the checkpoint
+                log.exception("phase_observer_failed", change=event.change)
 
     def _where(self) -> tuple[str, str]:
         if self.root is None or self.name is None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tether._version import __version__
 from tether.coordinator.ctl import add_ctl_parser, run_ctl
 from tether.coordinator.options import OptionError, add_serve_flags, options_from
+from tether.routing.logs import say
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +44,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             options = options_from(args.app, vars(args))
         except OptionError as error:
-            print(f"tether serve: {error}", file=sys.stderr)
+            say(f"tether serve: {error}", "startup_failed", error=True)
             sys.exit(2)
         sys.exit(serve(options))

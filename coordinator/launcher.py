@@ -10,7 +10,6 @@ import secrets
 import signal
 import socket
 import ssl
-import sys
 from dataclasses import replace
 
 import dotenv
@@ -34,7 +33,7 @@ from tether.coordinator.runtime import (
 from tether.coordinator.supervisor import Supervisor
 from tether.coordinator.worker import CONFIG_ENV, WorkerSettings
 from tether.routing.errors import TetherError
-from tether.routing.logs import configure_logging
+from tether.routing.logs import configure_logging, say
 
 log = structlog.get_logger("tether.serve")
 
@@ -99,7 +98,7 @@ def serve(options: ServeOptions) -> int:
     configure_logging(options.log_format, options.log_level)
     problem = options.problem()
     if problem is not None:
-        print(f"tether serve: {problem}", file=sys.stderr)
+        say(f"tether serve: {problem}", "startup_failed", error=True)
         return 2
     if options.env_file is not None:
         dotenv.load_dotenv(options.env_file)
@@ -121,7 +120,7 @@ def serve(options: ServeOptions) -> int:
         )
         listener = bind_listener(options)
     except StartupError as error:
-        print(f"tether serve: {error}", file=sys.stderr)
+        say(f"tether serve: {error}", "startup_failed", error=True)
         if runtime_dir is not None:
             remove_runtime_dir(runtime_dir)
         return 2
@@ -157,8 +156,8 @@ async def _restore_at_start(options: ServeOptions, coordinator: Coordinator) -> 
         )
         await checkpointer.run("resume", {"checkpoint_id": checkpoint_id})
     except TetherError as error:
-        print(f"tether serve: --restore {checkpoint_id}: {error.code}: {error.detail}",
-              file=sys.stderr)
+        say(f"tether serve: --restore {checkpoint_id}: {error.code}: {error.detail}",
+            "startup_failed", error=True)
         return False
     finally:
         checkpointer.holding = None
@@ -216,7 +215,7 @@ async def _serve(
             return
         if not reported:
             reported.append(problem)
-            print(f"tether serve: {problem}", file=sys.stderr, flush=True)
+            say(f"tether serve: {problem}", "startup_failed", error=True)
         exit_code = 1
         stop.set()
 
@@ -224,8 +223,8 @@ async def _serve(
         nonlocal exit_code
         if not reported:
             reported.append(f"exit {code}")
-            print(f"tether serve: a worker exited with code {code} before it started; its "
-                  "output above says why", file=sys.stderr, flush=True)
+            say(f"tether serve: a worker exited with code {code} before it started; its "
+                "output above says why", "startup_failed", error=True)
         exit_code = 1
         stop.set()
 
@@ -274,16 +273,17 @@ async def _serve(
             # A replacement worker starts empty; it must not restore the checkpoint again.
             replacements = replace(settings, restore=None)
             supervisor.set_env({**os.environ, CONFIG_ENV: replacements.to_json()})
-            print(f"tether serving {_url(options, listener)} with {workers} workers",
-                  flush=True)
-            print(f"control token: {token_path or 'from $TETHER_CONTROL_TOKEN'}", flush=True)
+            url, token_from = _url(options, listener), token_path or "$TETHER_CONTROL_TOKEN"
+            say(f"tether serving {url} with {workers} workers", "tether_serving", url=url,
+                workers=workers)
+            say(f"control token: {token_from}", "control_token", path=token_path)
             port = None if options.uds is not None else listener.getsockname()[1]
             log.info("serving", url=_url(options, listener), port=port, workers=workers,
                      pids=supervisor.pids, open_files=soft, runtime_dir=runtime_dir)
         elif not stop.is_set():
-            print(f"tether serve: {len(coordinator.links)} of {workers} workers started "
-                  f"within {START_TIMEOUT_S:.0f} s; see their output above",
-                  file=sys.stderr, flush=True)
+            say(f"tether serve: {len(coordinator.links)} of {workers} workers started "
+                f"within {START_TIMEOUT_S:.0f} s; see their output above",
+                "startup_failed", error=True)
             exit_code = 1
             stop.set()
         await stopped

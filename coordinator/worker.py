@@ -36,7 +36,7 @@ from tether.coordinator.runtime import COORDINATOR_SOCKET
 from tether.routing.errors import TetherError
 from tether.routing.fence import set_close_window
 from tether.routing.kinds import SessionKind
-from tether.routing.logs import LogFormat, configure_logging
+from tether.routing.logs import LogFormat, configure_logging, say
 from tether.routing.mcp import share_request_state_key
 from tether.routing.types import SessionId, WorkerId, worker_id_or_none
 from tether.routing.worker import RoutingWorker
@@ -376,7 +376,7 @@ async def report_startup_failure(settings: WorkerSettings, problem: str) -> None
         finally:
             await channel.close()
     except (OSError, ChannelLost, TetherError, TimeoutError):
-        print(f"tether serve: {problem}", file=sys.stderr, flush=True)
+        say(f"tether serve: {problem}", "startup_failed", error=True)
 
 
 async def _refuse_calls(kind: str, body: Any) -> Any:

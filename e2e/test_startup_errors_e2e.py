@@ -4,6 +4,7 @@ what to do, and a non-zero exit; never a traceback. Each case runs a real `tethe
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -89,6 +90,10 @@ def one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
     assert "Traceback" not in result.stderr, result.stderr
     assert len(lines) == 1, result.stderr
     line = lines[0]
+    if line.startswith("{"):  # under --log-format json the line is one JSON object
+        record = json.loads(line)
+        assert (record["event"], record["level"]) == ("startup_failed", "error"), record
+        line = record["message"]
     assert line.startswith("tether serve: "), line
     for word in words:
         assert word in line, line

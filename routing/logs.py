@@ -4,9 +4,10 @@ same processors, so one format holds for every line."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
@@ -31,8 +32,25 @@ def _not_uvicorn_startup(record: logging.LogRecord) -> bool:
     return not (isinstance(record.msg, str) and record.msg.startswith(_UVICORN_STARTUP))
 
 
+_chosen: LogFormat | None = None
+
+
 def default_format() -> LogFormat:
     return "console" if sys.stderr.isatty() else "json"
+
+
+def say(line: str, event: str, *, error: bool = False, **fields: Any) -> None:
+    """A line for the operator (the URL served, a start-up failure): as is on a console,
+    one JSON object (`message` holding the line) under the JSON format, so every line on
+    stdout and stderr parses. Errors go to stderr, the rest to stdout."""
+    stream = sys.stderr if error else sys.stdout
+    if (_chosen or default_format()) == "json":
+        record = {"event": event, "level": "error" if error else "info", "message": line,
+                  **fields}
+        stream.write(json.dumps(record) + "\n")
+    else:
+        stream.write(line + "\n")
+    stream.flush()
 
 
 def configure_logging(
@@ -45,6 +63,8 @@ def configure_logging(
         renderer = structlog.processors.JSONRenderer()
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    global _chosen
+    _chosen = log_format or default_format()
     threshold = LOG_LEVELS[level or "info"]
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,

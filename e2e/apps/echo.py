@@ -3,7 +3,8 @@
 A session is seeded on one worker (`POST /seed_session`); `GET /echo` with its cookie is
 then served by that worker wherever it lands, and answers the worker, the scope's scheme,
 root path, path and client, a `url_for`, and `$ECHO_FROM_ENV_FILE`. `GET /slow?s=N`
-sleeps N seconds after dropping a marker file into `$TETHER_E2E_MARKERS`.
+sleeps N seconds after dropping a marker file into `$TETHER_E2E_MARKERS`; `GET /boom`
+raises.
 `create_app` is the same app as a factory.
 """
 
@@ -52,6 +53,10 @@ async def echo(request: Request) -> JSONResponse:
     return JSONResponse(_seen(request))
 
 
+async def boom(request: Request) -> JSONResponse:
+    raise RuntimeError("the route failed on purpose")
+
+
 async def slow(request: Request) -> JSONResponse:
     markers = os.environ.get(MARKERS_ENV)
     if markers:
@@ -69,6 +74,7 @@ def create_app() -> Starlette:
             Route("/seed_session", seed, methods=["POST"]),
             Route("/echo", echo, name="echo"),
             Route("/slow", slow),
+            Route("/boom", boom),
         ],
         middleware=[Middleware(SessionMiddleware, secret_key=SECRET)],
     )
