@@ -21,6 +21,7 @@ from tether.checkpoint.events import Change, Observer, PhaseChange, log_phase_ch
 from tether.checkpoint.fleet import Fleet
 from tether.checkpoint.participant import Blockers
 from tether.checkpoint.store import begin_commit, load_checkpoint, sweep_temp
+from tether.checkpoint.tracing import CheckpointSpans
 from tether.routing.errors import TetherError
 
 log = structlog.get_logger("tether.checkpoint")
@@ -54,6 +55,9 @@ class Checkpointer:
         """Calls being answered: each runs in a task of its own, owned here."""
         self.observers: list[Observer] = [log_phase_change]
         """Told of every phase change (logs; metrics add themselves)."""
+        self.spans = CheckpointSpans()
+        """The protocol's spans (checkpoint/tracing.py); nothing unless this process traces."""
+        self.observers.append(self.spans.observe)
         self._closed_at: float | None = None
         """When admission closed, on the monotonic clock (for the pause's length)."""
         self.holding: str | None = None
@@ -86,6 +90,7 @@ class Checkpointer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer
             self._timer = None
+        self.spans.end()
 
     # Control calls (bodies already validated) -------------------------------------
 
@@ -184,11 +189,15 @@ class Checkpointer:
     async def _act(self, action: ph.Action, route: str, body: dict[str, Any]) -> Any:
         """Carry out one action; return the call's answer if the action produced it."""
         if isinstance(action, ph.CloseAdmission):
+            self.spans.closing(route, action.checkpoint_id)
             self._closed_at = time.monotonic()
             await self.fleet.close_admission()
             log.info("admission_closed", checkpoint_id=action.checkpoint_id)
         elif isinstance(action, ph.OpenAdmission):
-            await self.fleet.open_admission()
+            reopening = time.perf_counter()
+            with self.spans.reopening(action.checkpoint_id, route):
+                await self.fleet.open_admission()
+            reopened_s = time.perf_counter() - reopening
             self._blockers = Blockers([], 0)
             paused = None if self._closed_at is None else time.monotonic() - self._closed_at
             self._closed_at = None
@@ -198,18 +207,22 @@ class Checkpointer:
             if change is None and route != "restore":  # a call found the lease run out
                 change = "expired"
             if change is not None:
-                self._emit(PhaseChange(change, action.checkpoint_id, paused or 0.0,
+                # `seconds`: the reopening itself (a resume's phase); `paused_s`: the pause.
+                self._emit(PhaseChange(change, action.checkpoint_id, reopened_s,
                                        paused_s=paused))
         elif isinstance(action, ph.LogExpired):
             log.warning("lease_expired", checkpoint_id=action.checkpoint_id, phase=action.phase)
         elif isinstance(action, ph.WaitReady):
-            return await self._wait_ready(action)
+            with self.spans.phase("prepare", action.checkpoint_id):
+                return await self._wait_ready(action)
         elif isinstance(action, ph.RecheckReadiness):
             return None  # WriteCheckpoint re-checks right before it writes
         elif isinstance(action, ph.WriteCheckpoint):
-            return await self._shared(action.key, self._commit(action))
+            with self.spans.phase("commit", action.key.checkpoint_id):
+                return await self._shared(action.key, self._commit(action))
         elif isinstance(action, ph.StartRestore):
-            return await self._shared(action.key, self._restore(action))
+            with self.spans.within(action.key.checkpoint_id):
+                return await self._shared(action.key, self._restore(action))
         elif isinstance(action, ph.ReleaseInstalled):
             return await self._shared(action.key, self._abort(action))
         elif isinstance(action, ph.Retire):

@@ -16,11 +16,13 @@ from starlette.types import Receive, Scope, Send
 
 from tether.checkpoint.store import validate_checkpoint_id
 from tether.routing.errors import TetherError, send_error, send_json
-from tether.routing.router import route_path
+from tether.routing.sources import route_path
 
 Backend = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 MAX_CONTROL_BODY = 1024 * 1024
+METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus's text format, which `GET /_tether/metrics` answers in (SPEC 9)."""
 
 
 class _Body(BaseModel):
@@ -76,6 +78,7 @@ class Forget(_Body):
 
 ROUTES: dict[tuple[str, str], tuple[str, type[_Body] | None]] = {
     ("GET", "/_tether/status"): ("status", None),
+    ("GET", "/_tether/metrics"): ("metrics", None),
     ("POST", "/_tether/prepare"): ("prepare", Prepare),
     ("POST", "/_tether/commit"): ("commit", Commit),
     ("POST", "/_tether/resume"): ("resume", Resume),
@@ -117,7 +120,18 @@ class ControlApp:
         except TetherError as error:
             await send_error(send, error)
             return
+        if call == "metrics":
+            await _send_metrics(send, str(answer))
+            return
         await send_json(send, 200, answer)
+
+
+async def _send_metrics(send: Send, text: str) -> None:
+    payload = text.encode()
+    headers = [(b"content-type", METRICS_CONTENT_TYPE),
+               (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 async def _parse(receive: Receive, model: type[_Body] | None) -> dict[str, Any]:

@@ -22,8 +22,8 @@ class PhaseChange:
     """One phase change of one checkpoint ID.
 
     `seconds` is how long the step took: a prepare's wait, a commit's write, a restore's
-    install, an abort's release. `paused_s`, on the changes that reopen admission
-    (resumed, expired, aborted), is how long admission stayed closed."""
+    install, or, on the changes that reopen admission (resumed, expired, aborted), the
+    reopening itself; on those, `paused_s` is how long admission stayed closed."""
 
     change: Change
     checkpoint_id: str

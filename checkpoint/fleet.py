@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from tether.checkpoint.participant import Blockers, Participant
 from tether.checkpoint.store import Checkpoint, ManifestSegment, PendingCommit, RecordCounts
+from tether.checkpoint.tracing import worker_call
 from tether.routing.errors import TetherError
 
 
@@ -120,9 +121,9 @@ class LocalFleet:
         self, pending: PendingCommit, scope: frozenset[str] | None
     ) -> tuple[list[str], list[ManifestSegment], RecordCounts]:
         name = self.participant.worker or _local_worker_name()
-        info = await self.participant.export(
+        info = await worker_call("export", name, self.participant.export(
             pending.segment_path(name), scope, self.worker, self.is_open
-        )
+        ))
         segment: ManifestSegment = {"file": info["file"], "bytes": info["bytes"],
                                     "records": info["records"], "digest": info["digest"],
                                     "worker": name}
@@ -158,11 +159,18 @@ class LocalFleet:
         }
         if dry_run:
             return answer
-        try:
+
+        async def install() -> int:
+            installed = 0
             for segment in checkpoint.segments:
                 mine = [e for e in segment.entries if e.kind == "session"]
                 if mine:
-                    await self.participant.install(segment.path, mine)
+                    installed += await self.participant.install(segment.path, mine)
+            return installed
+
+        try:
+            await worker_call("install", self.participant.worker or _local_worker_name(),
+                              install())
             for segment, entry in episodes:
                 self.participant.hold(entry.id, entry.attempt or 0, segment.path, entry)
         except BaseException:

@@ -23,6 +23,7 @@ from tether.checkpoint.checkpointer import Checkpointer
 from tether.checkpoint.control import ControlApp
 from tether.checkpoint.fleet import LocalFleet
 from tether.checkpoint.participant import Participant, declared_participant
+from tether.routing import tracing
 from tether.routing.errors import TetherError, send_error
 from tether.routing.kinds import declared_kind
 from tether.routing.router import Router
@@ -93,6 +94,7 @@ class InProcess:
 
     def _start(self) -> None:
         if not self._started:
+            tracing.start()  # this process's start, as far as tether can tell
             self.checkpointer.start()
             self._started = True
 
@@ -103,6 +105,12 @@ class InProcess:
                 "unsupported_topology",
                 f"plain uvicorn with {workers} workers gives each worker only its own "
                 "share of the state; serve the app with `tether serve --workers N`",
+            )
+        if call == "metrics":
+            raise TetherError(
+                "unsupported_topology",
+                "tether's metrics are rendered by the main process of `tether serve` "
+                "(docs/observability.md); serve the app with `tether serve`",
             )
         self._start()  # lifespan may be off
         return await self.checkpointer.call(call, body)

@@ -53,6 +53,7 @@ from tether.coordinator.framing import (
     parse_message,
 )
 from tether.routing.errors import TetherError
+from tether.routing.tracing import carrier, continued
 
 __all__ = [
     "INTERNAL_ERROR",
@@ -175,7 +176,8 @@ class Channel:
             raise ChannelLost(f"{self._label} is closed")
         self._last_id += 1
         call_id = self._last_id
-        frame = encode_frame(Request(call_id, kind, body).to_wire(), max_frame=self.max_frame)
+        request = Request(call_id, kind, body, carrier())
+        frame = encode_frame(request.to_wire(), max_frame=self.max_frame)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         limit = self.default_timeout if timeout is None else timeout
@@ -270,7 +272,8 @@ class Channel:
     async def _serve(self, message: Request | Notification) -> None:
         reply: Reply | ErrorReply
         try:
-            result = await self.handler(message.kind, message.body)
+            with continued(message.trace if isinstance(message, Request) else None):
+                result = await self.handler(message.kind, message.body)
         except TetherError as exc:
             _log.info(
                 "channel_handler_refused", channel=self.name, kind=message.kind, code=exc.code

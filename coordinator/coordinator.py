@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -19,6 +19,9 @@ from tether.coordinator.channel import Channel, ChannelLost, Handler
 from tether.coordinator.fleet import ChannelFleet
 from tether.routing.errors import TetherError
 from tether.routing.types import WorkerId, worker_id_or_none
+
+if TYPE_CHECKING:
+    from tether.coordinator.metrics import Metrics
 
 log = structlog.get_logger("tether.coordinator")
 
@@ -54,6 +57,8 @@ class Coordinator:
         self.stopping = False
         self.fleet: ChannelFleet | None = None
         self.checkpointer: Checkpointer | None = None
+        self.metrics: Metrics | None = None
+        """What `GET /_tether/metrics` renders (SPEC 9)."""
         self.on_startup_failed: Callable[[str], None] = lambda problem: None
         """Called with the one line a worker that cannot start reports."""
         self._changed = asyncio.Condition()
@@ -72,6 +77,10 @@ class Coordinator:
                 problem = body.get("problem") if isinstance(body, dict) else None
                 self.on_startup_failed(str(problem))
                 return None
+            if kind == "metrics":
+                if self.metrics is None:
+                    raise TetherError("invalid_request", "this server renders no metrics")
+                return await self.metrics.render()
             if kind == "status" or kind in CONTROL_CALLS:
                 if self.checkpointer is None:
                     raise TetherError("unsupported_topology", "this server has no checkpointer")
@@ -102,6 +111,8 @@ class Coordinator:
                     log.warning("worker_left", worker_id=worker, pid=link.pid)
                 if self.fleet is not None:
                     self.fleet.worker_left(worker)
+                if self.metrics is not None:
+                    self.metrics.worker_left(worker)  # its last counts stay in the totals
                 await self._broadcast_live()
                 async with self._changed:
                     self._changed.notify_all()

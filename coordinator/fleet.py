@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import os
 import secrets
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,8 @@ class ChannelFleet:
         """Each worker's newest readiness report (its number, its blockers), while
         admission is closed."""
         self._callbacks: list[Callable[[], None]] = []
+        self.claim_results: Counter[str] = Counter()
+        """Workers' claims of held records by result (`tether_episode_claims_total`)."""
 
     @property
     def held(self) -> Mapping[str, Held]:
@@ -321,8 +324,14 @@ class ChannelFleet:
         """A worker's request claims the record attempt-1 left; the answer reaches it
         before any later message to it (one ordered channel)."""
         if self.closed:
+            self.claim_results["parked"] += 1
             raise TetherError("checkpoint_parked", "a checkpoint is open; retry shortly")
-        held = self.records.claim(episode_id, attempt, worker)
+        try:
+            held = self.records.claim(episode_id, attempt, worker)
+        except TetherError as error:
+            self.claim_results[error.code] += 1
+            raise
+        self.claim_results["none_held" if held is None else "claimed"] += 1
         return None if held is None else held.body()
 
     def done(self, episode_id: str, worker: WorkerId | None = None) -> None:

@@ -3,14 +3,17 @@
 A frame is a 4-byte big-endian body length followed by a msgpack body. Every body is
 one map, and every map is one of four messages::
 
-    Request       {"id": int, "kind": str, "body": Any}         a reply is expected
+    Request       {"id": int, "kind": str, "body": Any,         a reply is expected
+                   "trace"?: {str: str}}
     Notification  {"id": None, "kind": str, "body": Any}        no reply
     Reply         {"reply_to": int, "ok": True, "body": Any}
     ErrorReply    {"reply_to": int, "ok": False,
                    "error": {"status": int, "code": str, "detail": Any, "extra"?: map}}
 
 `extra` carries a `TetherError`'s extra body fields (e.g. `failure_kind`) and is left
-out when there are none, so the common shape is exactly the spec's.
+out when there are none, so the common shape is exactly the spec's. `trace` likewise: the
+caller's span context (W3C `traceparent`, `tracestate`, `baggage`; `routing/tracing.py`),
+sent only while the caller traces a span, so the callee's spans join its trace.
 
 `FrameDecoder` turns a byte stream into decoded maps; `parse_message` checks a map's
 shape and returns the message it holds. Anything else raises `FrameError`, after which
@@ -156,9 +159,14 @@ class Request:
     id: int
     kind: str
     body: Any = None
+    trace: dict[str, str] | None = None
+    """The caller's span context, if it traces one."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "kind": self.kind, "body": self.body}
+        wire = {"id": self.id, "kind": self.kind, "body": self.body}
+        if self.trace is not None:
+            wire["trace"] = self.trace
+        return wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +211,7 @@ class ErrorReply:
 Message = Request | Notification | Reply | ErrorReply
 
 _REQUEST_KEYS = frozenset({"id", "kind", "body"})
+_TRACED_REQUEST_KEYS = _REQUEST_KEYS | {"trace"}
 _REPLY_KEYS = frozenset({"reply_to", "ok", "body"})
 _ERROR_REPLY_KEYS = frozenset({"reply_to", "ok", "error"})
 _ERROR_KEYS = frozenset({"status", "code", "detail"})
@@ -254,10 +263,17 @@ def parse_message(obj: Any) -> Message:
                 raise FrameError("error extra is not a map with str keys")
             return ErrorReply(reply_to, status, code, error["detail"], extra)
         raise FrameError(f"reply's ok is {ok!r}, not a bool")
-    _check_keys("request", obj, _REQUEST_KEYS)
+    traced = "trace" in obj and obj["id"] is not None
+    _check_keys("request", obj, _TRACED_REQUEST_KEYS if traced else _REQUEST_KEYS)
     kind = obj["kind"]
     if not isinstance(kind, str) or not kind:
         raise FrameError(f"kind {kind!r} is not a non-empty str")
     if obj["id"] is None:
         return Notification(kind, obj["body"])
-    return Request(_check_id("request id", obj["id"]), kind, obj["body"])
+    trace = obj.get("trace")
+    if trace is not None and not (
+        isinstance(trace, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in trace.items())
+    ):
+        raise FrameError("request trace is not a map of str to str")
+    return Request(_check_id("request id", obj["id"]), kind, obj["body"], trace)

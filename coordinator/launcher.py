@@ -11,6 +11,7 @@ import signal
 import socket
 import ssl
 from dataclasses import replace
+from functools import partial
 
 import dotenv
 import structlog
@@ -32,6 +33,7 @@ from tether.coordinator.runtime import (
 )
 from tether.coordinator.supervisor import Supervisor
 from tether.coordinator.worker import CONFIG_ENV, WorkerSettings
+from tether.routing import tracing
 from tether.routing.errors import TetherError
 from tether.routing.logs import configure_logging, say
 
@@ -102,6 +104,7 @@ def serve(options: ServeOptions) -> int:
         return 2
     if options.env_file is not None:
         dotenv.load_dotenv(options.env_file)
+    tracing.start()  # after --env-file, which may set OTEL_* too (workers inherit them)
     options = replace(options, app_dir=os.path.abspath(options.app_dir))
     runtime_dir = None
     try:
@@ -118,16 +121,29 @@ def serve(options: ServeOptions) -> int:
         token, token_path = resolve_token(
             options.control_token_file, options.checkpoint_root, runtime_dir
         )
-        listener = bind_listener(options)
+        metrics_sock = None
+        if options.metrics_port is not None:
+            from tether.coordinator.metrics_http import bind_metrics  # see _serve
+
+            metrics_sock = bind_metrics(options.metrics_host, options.metrics_port)
+        try:
+            listener = bind_listener(options)
+        except StartupError:
+            if metrics_sock is not None:
+                metrics_sock.close()
+            raise
     except StartupError as error:
         say(f"tether serve: {error}", "startup_failed", error=True)
         if runtime_dir is not None:
             remove_runtime_dir(runtime_dir)
         return 2
     try:
-        with listener:
-            return asyncio.run(_serve(options, runtime_dir, listener, token, token_path))
+        with listener, metrics_sock or contextlib.nullcontext():
+            return asyncio.run(
+                _serve(options, runtime_dir, listener, token, token_path, metrics_sock)
+            )
     finally:
+        tracing.stop()
         if options.uds is not None:
             with contextlib.suppress(OSError):
                 os.unlink(options.uds)
@@ -180,7 +196,18 @@ async def _serve(
     listener: socket.socket,
     token: str,
     token_path: str | None,
+    metrics_sock: socket.socket | None = None,
 ) -> int:
+    # Imported here, not at the top: every worker imports this package, and
+    # prometheus_client (and aiohttp's server) stay out of the workers.
+    from tether.coordinator.metrics import (
+        MULTIPROC_ENV,
+        Metrics,
+        make_app_metrics_dir,
+        mark_worker_dead,
+    )
+    from tether.coordinator.metrics_http import MetricsServer, metrics_url
+
     soft, _ = raise_open_file_limit()
     workers = options.worker_count
     coordinator = Coordinator(workers, options.name, options.checkpoint_root)
@@ -249,7 +276,11 @@ async def _serve(
         uvicorn=options.uvicorn_config(),
         server_secret=secrets.token_hex(32),
     )
-    env = {**os.environ, CONFIG_ENV: settings.to_json()}
+    # --app-metrics: the app's prometheus_client writes its multiprocess files in a fresh
+    # directory of this run; a worker that exits is marked dead there (SPEC 9).
+    app_metrics = make_app_metrics_dir(runtime_dir) if options.app_metrics else None
+    worker_env = {MULTIPROC_ENV: app_metrics} if app_metrics is not None else {}
+    env = {**os.environ, **worker_env, CONFIG_ENV: settings.to_json()}
     supervisor = Supervisor(
         workers,
         env,
@@ -257,11 +288,21 @@ async def _serve(
         started=lambda: coordinator.ever_registered,
         on_failure=exited_early,
         stop_timeout_s=options.timeout_graceful_shutdown + STOP_MARGIN_S,
+        on_exit=None if app_metrics is None else partial(mark_worker_dead, app_metrics),
     )
+    metrics = Metrics(
+        coordinator, restarts=lambda: supervisor.restarts, app_metrics_dir=app_metrics
+    )
+    coordinator.metrics = metrics
+    coordinator.checkpointer.observers.append(metrics.checkpoints)
+    metrics_server = None if metrics_sock is None else MetricsServer(metrics, metrics_sock)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        metrics.start()
+        if metrics_server is not None:
+            await metrics_server.start()
         await supervisor.start()
         ready = asyncio.create_task(coordinator.wait_for_workers(workers, START_TIMEOUT_S))
         stopped = asyncio.create_task(stop.wait())
@@ -272,8 +313,11 @@ async def _serve(
         elif ready.done() and ready.result():
             # A replacement worker starts empty; it must not restore the checkpoint again.
             replacements = replace(settings, restore=None)
-            supervisor.set_env({**os.environ, CONFIG_ENV: replacements.to_json()})
+            supervisor.set_env({**os.environ, **worker_env, CONFIG_ENV: replacements.to_json()})
             url, token_from = _url(options, listener), token_path or "$TETHER_CONTROL_TOKEN"
+            if metrics_sock is not None:
+                say(f"tether metrics: {metrics_url(metrics_sock)}", "metrics_serving",
+                    url=metrics_url(metrics_sock))
             say(f"tether serving {url} with {workers} workers", "tether_serving", url=url,
                 workers=workers)
             say(f"control token: {token_from}", "control_token", path=token_path)
@@ -295,9 +339,12 @@ async def _serve(
             log.info("stopping")
     finally:
         coordinator.stopping = True
+        await metrics.stop()
         if coordinator.checkpointer is not None:
             await coordinator.checkpointer.stop()
         await supervisor.stop()
+        if metrics_server is not None:
+            await metrics_server.close()
         await channels.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

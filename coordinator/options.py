@@ -42,6 +42,11 @@ class ServeOptions:
     close_window_s: float | None = None
     log_format: LogFormat | None = None
     restore: str | None = None
+    metrics_port: int | None = None
+    """Serve `/metrics` from the main process on this port, without a token; None: off."""
+    metrics_host: str = "127.0.0.1"
+    app_metrics: bool = False
+    """The app's own prometheus_client metrics in multiprocess mode, served beside tether's."""
     # uvicorn's flags, with uvicorn's meaning
     app_dir: str = "."
     factory: bool = False
@@ -102,6 +107,8 @@ class ServeOptions:
                 validate_checkpoint_id(self.restore)
             except TetherError as error:
                 return f"--restore: {error.detail}"
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            return "--metrics-port must be a port number (0 picks a free one)"
         if self.log_level is not None and self.log_level not in LOG_LEVELS:
             return f"--log-level must be one of {', '.join(LOG_LEVELS)}"
         if not os.path.isdir(self.app_dir):
@@ -203,6 +210,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("log-format", "console on a terminal, JSON otherwise", choices=("console", "json")),
     Flag("restore", "restore this checkpoint, then resume, before serving",
          metavar="ID|latest"),
+    Flag("metrics-port", "serve /metrics from the main process on this port, without a "
+         "token; 0 picks a free one (default off)", int, metavar="P"),
+    Flag("metrics-host", "the address --metrics-port binds to (default 127.0.0.1)",
+         metavar="H"),
+    Flag("app-metrics", "the app's own prometheus_client metrics in multiprocess mode, "
+         "served beside tether's (default off)", switch=True),
     Flag("app-dir", "look for APP's module in this directory (default .)"),
     Flag("factory", "APP names a function that returns the app", switch=True),
     Flag("env-file", "load environment variables from this file before starting workers"),

@@ -32,7 +32,9 @@ class Supervisor:
         started: Callable[[], bool],
         on_failure: Callable[[int], None],
         stop_timeout_s: float = STOP_TIMEOUT_S,
+        on_exit: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_exit` is called with the pid of every worker that exits."""
         self.count = count
         self.stop_timeout_s = stop_timeout_s
         self._env = env
@@ -42,6 +44,9 @@ class Supervisor:
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._watchers: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._on_exit = on_exit
+        self.restarts = 0
+        """Workers replaced after they exited (`tether_worker_restarts_total`)."""
 
     def set_env(self, env: dict[str, str]) -> None:
         """The environment of workers started from now on (replacements)."""
@@ -72,12 +77,15 @@ class Supervisor:
     async def _watch(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
         self._procs.pop(proc.pid, None)
+        if self._on_exit is not None:
+            self._on_exit(proc.pid)
         if self._stopping:
             return
         log.warning("worker_exited", pid=proc.pid, code=code)
         if not self._started():
             self._on_failure(code)
             return
+        self.restarts += 1
         await self._spawn()
 
     async def stop(self) -> None:

@@ -28,11 +28,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tether.checkpoint.control import ControlApp
 from tether.checkpoint.participant import Held, Participant, declared_participant
 from tether.checkpoint.segments import read_index
+from tether.checkpoint.tracing import worker_call
 from tether.coordinator.apps import AppError, Preset, import_app, resolve_kind
 from tether.coordinator.channel import Channel, ChannelLost, connect
 from tether.coordinator.lifespan import AppLifespan
 from tether.coordinator.reports import ReadinessReporter, Report
 from tether.coordinator.runtime import COORDINATOR_SOCKET
+from tether.routing import tracing
 from tether.routing.errors import TetherError
 from tether.routing.fence import set_close_window
 from tether.routing.kinds import SessionKind
@@ -156,6 +158,10 @@ class TetherWorker:
         except Exception as error:
             await send({"type": "lifespan.shutdown.failed", "message": str(error)})
             return
+        finally:
+            # uvicorn re-raises the SIGTERM it caught once it has shut down, so neither
+            # the code after its `run` nor atexit runs: batched spans go out now.
+            await asyncio.to_thread(tracing.stop)
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _register(self) -> None:
@@ -212,11 +218,15 @@ class TetherWorker:
             self._apply_live(body["workers"])
             return None
         if kind in _PARTICIPANT_CALLS:
-            return await self._participant_call(kind, body)
-        if kind == "stats":
+            return await worker_call(kind, self.id, self._participant_call(kind, body))
+        if kind == "metrics" and isinstance(body, dict) and body.get("counts_only"):
+            return self.routing.metrics()  # the main process's refresh: no session count
+        if kind in ("stats", "metrics"):
             provider = self.participant.provider
+            # `metrics` adds the router's counts (the main process renders them; SPEC 9).
+            line = self.routing.stats() if kind == "stats" else self.routing.metrics()
             return {
-                **self.routing.stats(),
+                **line,
                 "sessions": sum(1 for _ in provider.sessions()) if provider else 0,
                 "episodes": len(self.participant.episodes),
             }
@@ -398,6 +408,7 @@ def main() -> None:
         sys.exit(STARTUP_FAILED_EXIT)
     if kind is not None:
         set_close_window(kind.close_window_s)
+    tracing.start()  # after the app's import: an SDK it configured there is used
     worker = TetherWorker(app, kind, settings)
     configure_logging(settings.log_format, settings.log_level, worker_id=worker.id)
     listener = socket.socket(fileno=settings.fd)

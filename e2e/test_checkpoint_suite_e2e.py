@@ -549,7 +549,7 @@ async def test_a_lease_that_falls_inside_a_slow_commit_fires_only_after_it(
             return bool(logged(server, "lease_expired", "c1"))
 
         await eventually(expired, 10, "the lease expires once the commit ended")
-        [finished] = logged(server, "commit_finished", "c1")
+        [finished] = logged(server, "checkpoint_commit_failed", "c1")
         assert logged(server, "lease_expired", "c1")[0] > finished
         assert (await status(server, http))["phase"] == "open"
         assert temp_dirs(root, "c1") == []

@@ -165,6 +165,17 @@ def test_a_port_in_use_says_pick_another() -> None:
     one_line(result, f"127.0.0.1:{port}", "--port")
 
 
+def test_a_metrics_port_in_use_says_pick_another() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_tether("serve", "e2e.apps.echo:app", "--port", "0",
+                            "--metrics-port", str(port))
+    assert result.returncode == 2
+    one_line(result, f"127.0.0.1:{port}", "--metrics-port")
+
+
 def test_zero_workers_is_refused() -> None:
     one_line(serve("e2e.apps.echo:app", "--workers", "0"), "--workers")
 

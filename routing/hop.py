@@ -55,6 +55,10 @@ def take_hop(scope: Scope) -> None:
         return
     scope["headers"] = headers[:-1]
     fields = headers[-1][1].decode("latin-1").split(" ")
+    if len(fields) == 5:
+        # An empty root path ends the value with a space, which a parser may strip as
+        # trailing whitespace (websockets' handshake parser does).
+        fields.append("")
     if len(fields) != 6:
         return
     scheme, client_host, client_port, server_host, server_port, root_path = fields

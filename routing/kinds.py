@@ -103,17 +103,19 @@ class CookieCodec:
 
 
 class Routes:
-    """A set of routes, each `/path` (any method) or `METHOD /path`, bare or under a prefix."""
+    """A set of routes, each `/path` (any method) or `METHOD /path`, bare or under a prefix;
+    a `{session_id}` segment matches any one segment (`DELETE /api/kernels/{session_id}`)."""
 
     def __init__(self, routes: Iterable[str], prefix: str | None = None) -> None:
         self._any: list[str] = []
         self._methods: dict[str, list[str]] = {}
         for route in routes:
             method, _, path = route.rpartition(" ")
+            pattern = re.escape(path).replace(re.escape("{session_id}"), "[^/]+")
             if method:
-                self._methods.setdefault(method.upper(), []).append(re.escape(path))
+                self._methods.setdefault(method.upper(), []).append(pattern)
             else:
-                self._any.append(re.escape(path))
+                self._any.append(pattern)
         head = f"(?:{prefix})?" if prefix else ""
         self._any_re = re.compile(f"{head}(?:{'|'.join(self._any)})") if self._any else None
         self._method_re = {
@@ -133,7 +135,8 @@ class SessionKind:
     """Where one kind of app's requests name their session, and which routes do what.
 
     Sources are read in this order: `header`, `query_param`, the cookie, `token_header`,
-    then the JSON body's `body_field` on seed and close routes only.
+    a path template of `paths`, then the JSON body's `body_field` on seed and close routes
+    only.
     """
 
     cookie: CookieCodec | None = None
@@ -141,6 +144,9 @@ class SessionKind:
     header: str | None = None
     header_reader: Callable[[str], str | None] | None = None
     query_param: str | None = None
+    paths: tuple[str, ...] = ()
+    """Path templates naming the session, such as `/api/kernels/{session_id}`; each
+    covers everything under it (`/api/kernels/{session_id}/channels`)."""
     token_header: str | None = TOKEN_HEADER
     token_secret: str | None = None
     body_field: str = "session_id"
@@ -152,6 +158,9 @@ class SessionKind:
     background: tuple[str, ...] = ()
     prefix: str | None = None
     reply_header: str | None = None
+    reply_field: str | None = None
+    """A field of a start route's JSON reply that names the new session (`"id"` for
+    `POST /sessions` → `{"id": ...}`), claimed before the reply leaves the worker."""
     close_follows_header: str = CLOSE_FOLLOWS_HEADER
     close_window_s: float = DEFAULT_CLOSE_WINDOW_S
     gone_as_jsonrpc: bool = False
@@ -161,8 +170,21 @@ class SessionKind:
     release: Release | None = field(default=None, compare=False)
     holder: SessionHolder | None = field(default=None, compare=False)
 
+    def __post_init__(self) -> None:
+        for template in self.paths:
+            _template(template)  # a bad template fails when the kind is declared
+
     def with_close_window(self, seconds: float) -> SessionKind:
         return replace(self, close_window_s=seconds)
+
+    @cached_property
+    def path_pattern(self) -> re.Pattern[str] | None:
+        """All the path templates as one compiled pattern (one match per request);
+        group i holds template i's ID segment."""
+        if not self.paths:
+            return None
+        head = f"(?:{self.prefix})?" if self.prefix else ""
+        return re.compile(f"{head}(?:{'|'.join(_template(t) for t in self.paths)})(?:/|$)")
 
     @cached_property
     def body_routes(self) -> Routes:
@@ -221,6 +243,20 @@ class SessionKind:
             return None
         session = self.cookie.decode(value)
         return session_id_or_none(session.get(self.cookie_key)) if session else None
+
+
+SESSION_SEGMENT = "{session_id}"
+
+
+def _template(template: str) -> str:
+    """One path template as a regex whose one group is the ID segment."""
+    template = template.removesuffix("/...")
+    before, found, after = template.partition(SESSION_SEGMENT)
+    if not found or SESSION_SEGMENT in after or not template.startswith("/"):
+        raise ValueError(
+            f"path template {template!r} must start with / and name {SESSION_SEGMENT} once"
+        )
+    return f"{re.escape(before)}([^/]+){re.escape(after)}"
 
 
 def mint_session_token(secret: str, session_id: str) -> str:

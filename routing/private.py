@@ -4,12 +4,18 @@ It runs uvicorn's HTTP protocol on the worker's own event loop, on a Unix socket
 ourselves (mode 0600). It leaves the process alone: no signal handlers (we never call
 `Server.serve`), no logging configuration, no access log lines (the worker that received
 a request logs it), and no `server` or `date` headers (the receiving worker adds its own).
+
+Relayed WebSockets (`relay.py`) arrive here too, on uvicorn's websockets-sansio protocol
+without compression or keep-alive pings (the hop is a local socket), with no size limit
+of its own (the receiving worker's server applied the client's), and without its
+"[accepted]" lines, for the same reason as the access log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 from typing import Any
@@ -17,12 +23,15 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 __all__ = ["PrivateServer"]
 
 BACKLOG = 2048
 # Longer than the forwarder's idle timeout, so the client side always closes first.
 KEEP_ALIVE_S = 75
+WS_MAX_SIZE = 1 << 40
+"""No limit of its own: a relayed message already passed the public server's."""
 
 
 class PrivateServer:
@@ -59,7 +68,10 @@ class PrivateServer:
             config = uvicorn.Config(
                 self.app,
                 http=self._protocol_class(),
-                ws="none",
+                ws=_PrivateWebSocket,
+                ws_max_size=WS_MAX_SIZE,
+                ws_ping_interval=None,
+                ws_per_message_deflate=False,
                 # Set, not detected: uvicorn takes a bound method (a router's entry) for ASGI2.
                 interface="asgi3",
                 lifespan="off",
@@ -115,3 +127,24 @@ class PrivateServer:
                 super().connection_made(transport)
 
         return PrivateProtocol
+
+
+class _QuietLogger(logging.Logger):
+    """uvicorn's error logger without its info lines (a WebSocket's "[accepted]")."""
+
+    def info(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+_QUIET = _QuietLogger("uvicorn.error.private")
+_QUIET.parent = logging.getLogger("uvicorn.error")
+
+
+class _PrivateWebSocket(WebSocketsSansIOProtocol):
+    """uvicorn's websockets-sansio protocol, logging errors only: the worker that received
+    a WebSocket logs its handshake."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.logger = _QUIET
+        self.conn.logger = _QUIET  # websockets' own "connection closed"

@@ -9,6 +9,7 @@ request shows it is being used.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,8 +24,18 @@ from tether.routing.hop import hop_value, strip_hop, take_hop
 from tether.routing.kinds import SessionKind
 from tether.routing.lifetimes import Role
 from tether.routing.mcp import send_jsonrpc_error
-from tether.routing.sources import Found, body_session_id, find, read_body, replay
+from tether.routing.relay import Relays
+from tether.routing.replies import ReplyField
+from tether.routing.sources import (
+    Found,
+    body_session_id,
+    find,
+    read_body,
+    replay,
+    route_path,
+)
 from tether.routing.tables import Tables
+from tether.routing.tracing import HopTraces
 from tether.routing.types import SessionId, WorkerId, new_session_id, session_id_or_none
 
 log = structlog.get_logger("tether.router")
@@ -48,12 +59,59 @@ class Admission(Protocol):
         ...
 
 
-@dataclass
+FORWARD_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+"""Upper bounds, in seconds, of `tether_forward_seconds`'s buckets (then +Inf)."""
+REFUSALS: dict[str, str] = {
+    "session_gone": "gone",
+    "worker_gone": "gone",
+    "session_conflict": "conflict",
+    "claimant_unavailable": "unavailable",
+    "checkpoint_parked": "parked",
+    "session_mismatch": "mismatch",
+}
+"""The router's refusals counted in `tether_requests_total`: error code -> outcome."""
+
+
+@dataclass(slots=True)
 class RouterStats:
-    """Counters reported in status."""
+    """What this worker's router counted (status, and `tether_requests_total` and
+    `tether_forward_seconds` through the main process; docs/observability.md). Plain
+    ints and lists, so that counting costs one increment on the hot path."""
 
     forwarded: int = 0
+    """Requests from the public port handed to another worker's private socket."""
     served_forwarded: int = 0
+    """Requests another worker forwarded here, counted as they arrive."""
+    local: int = 0
+    """Requests from the public port admitted to this worker's own app."""
+    refused: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(REFUSALS.values(), 0)
+    )
+    """The router's refusals by outcome (`REFUSALS`)."""
+    forward_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(FORWARD_BUCKETS) + 1)
+    )
+    """How many forwarded requests took at most each bound (not cumulative; last: +Inf)."""
+    forward_seconds: float = 0.0
+
+    def observe_forward(self, seconds: float) -> None:
+        self.forward_buckets[bisect_left(FORWARD_BUCKETS, seconds)] += 1
+        self.forward_seconds += seconds
+
+    def report(self) -> dict[str, Any]:
+        """The counts as they cross the channel (plain msgpack)."""
+        return {
+            "requests": {
+                "local": self.local,
+                "forwarded": self.forwarded,
+                "served_forwarded": self.served_forwarded,
+                **self.refused,
+            },
+            "forward_buckets": list(self.forward_buckets),
+            "forward_seconds": self.forward_seconds,
+        }
 
 
 @dataclass
@@ -75,10 +133,20 @@ class Router:
     admission: Admission | None = None
     access_log: bool = True
     stats: RouterStats = field(default_factory=RouterStats)
+    tracing: HopTraces | None = None
+    """Set when this process traces (routing/tracing.py): forwards go through it."""
+    relays: Relays | None = None
+    """Relayed WebSockets (routing/relay.py); None where nothing is forwarded."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The public entry: requests that reached this worker on the shared port."""
         if scope["type"] != "http":
+            if scope["type"] == "websocket" and not route_path(scope).startswith(CONTROL_PREFIX):
+                # Imported here: the WebSocket branch builds on this module.
+                from tether.routing.websocket import route_websocket
+
+                await route_websocket(self, scope, receive, send, forwarded=False)
+                return
             await self.app(scope, receive, send)
             return
         if route_path(scope).startswith(CONTROL_PREFIX):
@@ -111,6 +179,13 @@ class Router:
     async def serve_forwarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The private entry: requests another worker forwarded here; never forwarded again."""
         if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                from tether.routing.websocket import route_websocket
+
+                self.stats.served_forwarded += 1
+                take_hop(scope)
+                await route_websocket(self, scope, receive, send, forwarded=True)
+                return
             await self.app(scope, receive, send)
             return
         self.stats.served_forwarded += 1
@@ -164,17 +239,17 @@ class Router:
             if target is None:
                 await self._refuse(send, TetherError("worker_gone", f"worker {found.worker}"))
             elif target == self.worker:
-                await self._serve(None, found, scope, receive, send)
+                await self._serve(None, found, scope, receive, send, forwarded)
             else:
-                await self._forward(target, scope, receive, send, body, "worker_gone")
+                await self._timed_forward(target, scope, receive, send, body, "worker_gone")
             return
         owner = None if forwarded else self._locate(session_id)
         if owner is None or owner == self.worker:
-            await self._serve(session_id, found, scope, receive, send)
+            await self._serve(session_id, found, scope, receive, send, forwarded)
         elif not self.tables.is_live(owner):
             await self._gone(send, session_id)
         else:
-            await self._forward(owner, scope, receive, send, body, "session_gone")
+            await self._timed_forward(owner, scope, receive, send, body, "session_gone")
 
     def _locate(self, session_id: SessionId) -> WorkerId | None:
         """Lookup order: this worker's claims, the claim store, the placed-session table."""
@@ -194,6 +269,24 @@ class Router:
             return self.worker
         return self.tables.resolve(WorkerId(named))
 
+    async def _timed_forward(
+        self,
+        owner: WorkerId,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes | None,
+        gone: str,
+    ) -> None:
+        """`_forward`, timed for `tether_forward_seconds`: what this worker spends on the
+        request it forwards, the reply streamed back included."""
+        started = time.perf_counter()
+        try:
+            await self._forward(owner, scope, receive, send, body, gone)
+        finally:
+            if self.forwarder is not None:
+                self.stats.observe_forward(time.perf_counter() - started)
+
     async def _forward(
         self,
         owner: WorkerId,
@@ -208,9 +301,8 @@ class Router:
             return
         self.stats.forwarded += 1
         try:
-            await self.forwarder.forward(
-                self.socket_path(owner), scope, receive, send, body, hop_value(scope)
-            )
+            forward = self.forwarder.forward if self.tracing is None else self.tracing.forward
+            await forward(self.socket_path(owner), scope, receive, send, body, hop_value(scope))
         except ClaimantGone:
             self.forwarder.discard(self.socket_path(owner))
             if gone == "worker_gone":
@@ -230,6 +322,9 @@ class Router:
     ) -> None:
         """Answer with an error the router made: as the kind's protocol wants it (a
         JSON-RPC error body under the MCP preset), else as tether's JSON."""
+        outcome = REFUSALS.get(error.code)
+        if outcome is not None:
+            self.stats.refused[outcome] += 1
         if self.kind is not None and self.kind.gone_as_jsonrpc:
             await send_jsonrpc_error(send, error, headers)
         else:
@@ -242,6 +337,7 @@ class Router:
         scope: Scope,
         receive: Receive,
         send: Send,
+        forwarded: bool,
     ) -> None:
         """Serve here, claiming the session before the reply's first byte if it was used."""
         leave = None
@@ -257,6 +353,8 @@ class Router:
             except TetherError as error:
                 await self._refuse(send, error)
                 return
+        if not forwarded:
+            self.stats.local += 1
         try:
             await self._serve_admitted(session_id, found, scope, receive, send)
         finally:
@@ -317,31 +415,25 @@ class Router:
                     claims.renamed(session_id, session.rotated_id)
 
     async def _serve_with_reply_header(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A request with no session, for a kind whose app names sessions in its reply."""
+        """A request with no session, for a kind whose app names sessions in its reply:
+        in a reply header, or in the JSON body of a start route's reply."""
         kind = self.kind
         assert kind is not None
-        if kind.reply_header is None or self.claims is None:
+        field = kind.reply_field
+        if field is not None and (scope["method"], route_path(scope)) not in kind.start_routes:
+            field = None
+        if (kind.reply_header is None and field is None) or self.claims is None:
             await self.app(scope, receive, send)
             return
         session = _Served(self, None, "other", minted=False)
+        wrapped = session.wrap(scope, send)
+        if field is not None:
+            wrapped = ReplyField(wrapped, field, session.named_in_body)
         try:
-            await self.app(scope, receive, session.wrap(scope, send))
+            await self.app(scope, receive, wrapped)
         finally:
             if session.reply_id is not None:
                 self.claims.end(session.reply_id, "start", session.ok)
-
-
-def route_path(scope: Scope) -> str:
-    """The path the app's routes match: `path` less the `root_path` uvicorn put in front
-    of it (`--root-path`), as Starlette's router reads it."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    if root and path.startswith(root):
-        if path == root:
-            return ""
-        if path[len(root)] == "/":
-            return path[len(root) :]
-    return path
 
 
 def worker_of(scope: Scope) -> str | None:
@@ -371,8 +463,13 @@ class _Served:
         self.minted = minted
         self.ok = False
         self.reply_id: SessionId | None = None
+        self.body_id: SessionId | None = None
+        """The ID the reply's JSON body names (`SessionKind.reply_field`)."""
         self.rotated_id: SessionId | None = None
         self.refused = False
+
+    async def named_in_body(self, session_id: SessionId | None) -> None:
+        self.body_id = session_id
 
     def wrap(self, scope: Scope, send: Send) -> Send:
         async def wrapped(message: Message) -> None:
@@ -417,9 +514,11 @@ class _Served:
                 return _conflict(rotated, owner)
             self.rotated_id = rotated
             claims.begin(rotated)
-        if kind.reply_header is not None and claims is not None:
-            named = _header(message, kind.reply_header.encode())
-            reply_id = session_id_or_none(named)
+        if claims is not None and (kind.reply_header is not None or self.body_id is not None):
+            reply_id = self.body_id
+            if kind.reply_header is not None:
+                named = _header(message, kind.reply_header.encode())
+                reply_id = session_id_or_none(named) or reply_id
             if reply_id is not None and reply_id != sid and not claims.mine(reply_id):
                 owner = claims.claim(reply_id)
                 if owner != router.worker:

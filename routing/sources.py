@@ -37,7 +37,7 @@ class Found:
 
 
 def find(kind: SessionKind | None, scope: Scope) -> Found:
-    """The session ID from the header, query, cookie or token, in that order."""
+    """The session ID from the header, query, cookie, token or path, in that order."""
     found = Found()
     header_id = token_id = None
     cookie_header = None
@@ -76,11 +76,30 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
         query_id = next(
             (session_id_or_none(v) for k, v in query if k == kind.query_param), None
         )
-    found.session_id = header_id or query_id or found.cookie_id or token_id
+    path_id = None
+    if kind.path_pattern is not None:
+        match = kind.path_pattern.match(route_path(scope))
+        if match is not None:
+            path_id = session_id_or_none(match.group(match.lastindex or 0))
+    found.session_id = header_id or query_id or found.cookie_id or token_id or path_id
     return found
 
 
 WORKER_HEADER_BYTES = WORKER_HEADER.encode()
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app's routes match: `path` less the `root_path` uvicorn put in front
+    of it (`--root-path`), as Starlette's router reads it."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        if path == root:
+            return ""
+        if path[len(root)] == "/":
+            return path[len(root) :]
+    return path
+
 
 
 async def read_body(receive: Receive, content_length: int | None) -> bytes | None:

@@ -18,8 +18,10 @@ from tether.routing.forward import Forwarder
 from tether.routing.kinds import SessionKind
 from tether.routing.lifetimes import Lifetimes
 from tether.routing.private import PrivateServer
+from tether.routing.relay import Relays
 from tether.routing.router import Admission, Router
 from tether.routing.tables import Tables
+from tether.routing.tracing import hop_traces
 from tether.routing.types import SessionId, WorkerId, new_worker_id
 
 log = structlog.get_logger("tether.worker")
@@ -64,6 +66,7 @@ class RoutingWorker:
         self.tables = Tables([self.id])
         self.claims: WorkerClaims | None = None
         self.forwarder: Forwarder | None = None
+        self.relays: Relays | None = None
         self.private: PrivateServer | None = None
         window = kind.close_window_s if kind else 300.0
         self._sweep_every = min(max(window / 20, MIN_SWEEP_S), MAX_SWEEP_S)
@@ -74,6 +77,7 @@ class RoutingWorker:
             holder = kind.holder if kind else None
             self.claims = WorkerClaims(store, self.id, Lifetimes(window, holder), clock)
             self.forwarder = Forwarder()
+            self.relays = Relays()
         self.router = Router(
             app,
             worker=self.id,
@@ -85,6 +89,8 @@ class RoutingWorker:
             control=control,
             admission=admission,
             access_log=access_log,
+            tracing=None if self.forwarder is None else hop_traces(self.forwarder, self.id),
+            relays=self.relays,
         )
         if runtime_dir is not None:
             os.makedirs(os.path.join(runtime_dir, "w"), mode=0o700, exist_ok=True)
@@ -106,12 +112,15 @@ class RoutingWorker:
             self._sweeper = asyncio.create_task(self._sweep(), name="tether-claim-sweep")
 
     async def stop(self) -> None:
-        """Stop sweeping, let forwarded requests finish, close every connection."""
+        """Stop sweeping, close relayed WebSockets, let forwarded requests finish, close
+        every connection."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
+        if self.relays is not None:
+            await self.relays.close()  # the WebSockets this worker relays, both sides
         if self.private is not None:
             await self.private.stop()
         if self.forwarder is not None:
@@ -132,6 +141,11 @@ class RoutingWorker:
             "forwarded": self.router.stats.forwarded,
             "served_forwarded": self.router.stats.served_forwarded,
         }
+
+    def metrics(self) -> dict[str, Any]:
+        """This worker's counters, as the main process's metrics read them: its line in
+        status and the router's counts (`RouterStats.report`)."""
+        return {**self.stats(), **self.router.stats.report()}
 
     async def _sweep(self) -> None:
         assert self.claims is not None

@@ -584,7 +584,7 @@ def checkpoint_round(
         publish(root, checkpoint_id, server)
         _, resume_s = control.call("resume", checkpoint_id=checkpoint_id)
         parks, _ = control.ok("POST", "/bench/parks")
-        logged = server.events("commit_finished")
+        logged = server.events("checkpoint_committed")
     finally:
         stopped = server.stop()
     [segment] = manifest["segments"]
@@ -928,7 +928,7 @@ def table(result: dict[str, Any]) -> str:
         f"(steps every {scale['step_ms']:g} ms) "
         f"| {f['prepare_wait_for_last_park_s']:.3f} |",
         f"| … of which after the last park | {f['prepare_after_last_park_s']:.3f} |",
-        f"| commit as the worker logs it (`commit_finished`) | {f['commit_logged_s']:.3f} |",
+        f"| commit as the worker logs it (`checkpoint_committed`) | {f['commit_logged_s']:.3f} |",
         f"| worker CPU during the commit | {f['commit_worker_cpu_s']:.2f} |",
         f"| CPUs busy outside the measured process (other work, kernel writeback) "
         f"during the commit / its baseline "

@@ -203,7 +203,7 @@ def checkpoint_round(
         _, resume_s = control.call("resume", checkpoint_id=checkpoint_id)
         channel["after_resume"] = control.call("status")[0]["channel_bytes"]
         parks = [on_worker(server, w, "POST", "/bench/parks") for w in server.worker_ids]
-        logged = server.events("commit_finished")
+        logged = server.events("checkpoint_committed")
     finally:
         stopped = server.stop()
     lasts = [p["last"] for p in parks if p["last"] is not None]
@@ -631,7 +631,8 @@ def table(result: dict[str, Any]) -> str:
         f"| … of which waiting for the last episode to reach a boundary "
         f"(steps every {scale['step_ms']:g} ms) | {f['prepare_wait_for_last_park_s']:.3f} |",
         f"| … of which after the last park | {f['prepare_after_last_park_s']:.3f} |",
-        f"| commit as the coordinator logs it (`commit_finished`) | {f['commit_logged_s']:.3f} |",
+        f"| commit as the coordinator logs it (`checkpoint_committed`) "
+        f"| {f['commit_logged_s']:.3f} |",
         f"| CPU of the {workers} workers during the commit (sum) "
         f"| {f['commit_workers_cpu_s']:.2f} |",
         f"| CPU of the coordinator (main process) during the commit "

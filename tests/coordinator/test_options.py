@@ -92,6 +92,22 @@ def test_a_bad_variable_is_an_option_error_naming_it(name: str, value: str) -> N
         options_from("main:app", parsed(), {name: value})
 
 
+def test_metrics_are_off_by_default_and_flags_or_variables_turn_them_on() -> None:
+    off = options_from("main:app", parsed(), {})
+    assert (off.metrics_port, off.metrics_host, off.app_metrics) == (None, "127.0.0.1", False)
+    flags = options_from("main:app", parsed(
+        "--metrics-port", "9100", "--metrics-host", "0.0.0.0", "--app-metrics",
+    ), {})
+    assert (flags.metrics_port, flags.metrics_host, flags.app_metrics) == (9100, "0.0.0.0", True)
+    env = {"TETHER_METRICS_PORT": "9101", "TETHER_METRICS_HOST": "::1",
+           "TETHER_APP_METRICS": "true"}
+    variables = options_from("main:app", parsed(), env)
+    assert (variables.metrics_port, variables.metrics_host, variables.app_metrics) == (
+        9101, "::1", True)
+    # tether.run takes them as keyword arguments: they are ServeOptions fields.
+    assert ServeOptions("main:app", metrics_port=9102, app_metrics=True).metrics_port == 9102
+
+
 def test_web_concurrency_is_the_default_worker_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WEB_CONCURRENCY", "3")
     assert ServeOptions("main:app").worker_count == 3
@@ -110,7 +126,8 @@ def test_the_graceful_shutdown_default_is_30_s() -> None:
      (ServeOptions("a:b", checkpoint_root="/tmp/x"), "--name"),
      (ServeOptions("a:b", ssl_certfile="c.pem"), "--ssl-keyfile"),
      (ServeOptions("a:b", app_dir="/no/such/dir"), "--app-dir"),
-     (ServeOptions("a:b", log_level="loud"), "--log-level")],
+     (ServeOptions("a:b", log_level="loud"), "--log-level"),
+     (ServeOptions("a:b", metrics_port=70000), "--metrics-port")],
 )
 def test_problems_name_the_flag(options: ServeOptions, named: str) -> None:
     problem = options.problem()
