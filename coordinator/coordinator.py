@@ -21,6 +21,7 @@ from tether.routing.errors import TetherError
 from tether.routing.types import WorkerId, worker_id_or_none
 
 if TYPE_CHECKING:
+    from tether.coordinator.cluster import ClusterMember
     from tether.coordinator.metrics import Metrics
 
 log = structlog.get_logger("tether.coordinator")
@@ -40,6 +41,8 @@ class Link:
     worker: WorkerId
     pid: int
     channel: Channel
+    hop: str | None = None
+    """On a cluster, the `tcp://HOST:PORT` other hosts forward this worker's requests to."""
 
 
 class Coordinator:
@@ -59,6 +62,8 @@ class Coordinator:
         self.checkpointer: Checkpointer | None = None
         self.metrics: Metrics | None = None
         """What `GET /_tether/metrics` renders (SPEC 9)."""
+        self.cluster: ClusterMember | None = None
+        """This host's membership in a service of several hosts (SPEC 12), or None."""
         self.on_startup_failed: Callable[[str], None] = lambda problem: None
         """Called with the one line a worker that cannot start reports."""
         self._changed = asyncio.Condition()
@@ -113,6 +118,9 @@ class Coordinator:
                     self.fleet.worker_left(worker)
                 if self.metrics is not None:
                     self.metrics.worker_left(worker)  # its last counts stay in the totals
+                if self.cluster is not None:
+                    self.cluster.worker_left(worker)
+                    await self.cluster.publish()
                 await self._broadcast_live()
                 async with self._changed:
                     self._changed.notify_all()
@@ -133,9 +141,15 @@ class Coordinator:
             raise TetherError("invalid_request", "register needs a worker ID and a pid")
         if worker in self.links:
             raise TetherError("invalid_request", f"worker {worker} is already registered")
-        self.links[worker] = Link(worker, pid, channel)
+        hop = body.get("hop")
+        if self.cluster is not None and not isinstance(hop, str):
+            raise TetherError("invalid_request", "a worker of a cluster registers its hop address")
+        self.links[worker] = Link(worker, pid, channel, hop if isinstance(hop, str) else None)
         self.ever_registered = True
         started = time.perf_counter()
+        if self.cluster is not None:
+            # Other hosts find the newcomer in the live set before it claims anything.
+            await self.cluster.publish()
         # Every other worker learns the newcomer is live before the newcomer serves, so a
         # claim it makes is never mistaken for a dead worker's.
         await self._broadcast_live(skip=worker)
@@ -148,7 +162,7 @@ class Coordinator:
         )
         async with self._changed:
             self._changed.notify_all()
-        welcome: dict[str, Any] = {"live": self.live, "phase": "open"}
+        welcome: dict[str, Any] = {**self.live_message(), "phase": "open"}
         if self.fleet is not None:
             self.fleet.state_version = body.get("state_version")
             welcome.update(self.fleet.welcome())
@@ -170,10 +184,26 @@ class Coordinator:
             self.fleet.hand_back(body, worker)
         return None
 
+    def hop_addresses(self) -> dict[WorkerId, str]:
+        """This host's live workers and where other hosts reach each (a cluster's record)."""
+        return {w: link.hop for w, link in self.links.items() if link.hop is not None}
+
+    def live_message(self) -> dict[str, Any]:
+        """What every worker is told of the live set: this host's workers and, on a
+        cluster, every other host's with where to reach them and who is known dead."""
+        if self.cluster is None:
+            return {"live": self.live}
+        remote = self.cluster.remote
+        return {"live": [*self.live, *remote], "addresses": remote, "dead": self.cluster.dead}
+
+    async def broadcast_live(self) -> None:
+        """Tell every worker the live set (the cluster's view changed)."""
+        await self._broadcast_live()
+
     async def _broadcast_live(self, skip: WorkerId | None = None) -> None:
-        live = self.live
+        message = self.live_message()
         calls = [
-            link.channel.request("live", {"workers": live}, timeout=BROADCAST_TIMEOUT_S)
+            link.channel.request("live", message, timeout=BROADCAST_TIMEOUT_S)
             for worker, link in self.links.items()
             if worker != skip
         ]

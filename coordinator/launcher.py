@@ -12,6 +12,7 @@ import socket
 import ssl
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import dotenv
 import structlog
@@ -35,7 +36,11 @@ from tether.coordinator.supervisor import Supervisor
 from tether.coordinator.worker import CONFIG_ENV, WorkerSettings
 from tether.routing import tracing
 from tether.routing.errors import TetherError
+from tether.routing.kinds import DEFAULT_CLOSE_WINDOW_S
 from tether.routing.logs import configure_logging, say
+
+if TYPE_CHECKING:
+    from tether.coordinator.cluster import ClusterMember
 
 log = structlog.get_logger("tether.serve")
 
@@ -117,6 +122,7 @@ def serve(options: ServeOptions) -> int:
                     f"({error.strerror}); pick a writable folder"
                 ) from None
         _check_tls(options)
+        hop_secret = _hop_secret(options)
         runtime_dir = make_runtime_dir()
         token, token_path = resolve_token(
             options.control_token_file, options.checkpoint_root, runtime_dir
@@ -139,9 +145,9 @@ def serve(options: ServeOptions) -> int:
         return 2
     try:
         with listener, metrics_sock or contextlib.nullcontext():
-            return asyncio.run(
-                _serve(options, runtime_dir, listener, token, token_path, metrics_sock)
-            )
+            return asyncio.run(_serve(
+                options, runtime_dir, listener, token, token_path, metrics_sock, hop_secret
+            ))
     finally:
         tracing.stop()
         if options.uds is not None:
@@ -182,6 +188,51 @@ async def _restore_at_start(options: ServeOptions, coordinator: Coordinator) -> 
     return True
 
 
+def _hop_secret(options: ServeOptions) -> bytes | None:
+    """The hop secret of a cluster, read once here so a bad file is one line."""
+    if options.cluster is None or options.hop_secret_file is None:
+        return None
+    from tether.routing.hopsign import HopSecretError, load_hop_secret
+
+    try:
+        return load_hop_secret(options.hop_secret_file)
+    except HopSecretError as error:
+        raise StartupError(f"--hop-secret-file: {error}") from None
+
+
+async def _join_cluster(
+    options: ServeOptions, coordinator: Coordinator
+) -> ClusterMember | None:
+    """`--cluster`: join the service's live set before any worker starts. Raises
+    `StartupError` for a host ID another live host has, or a Redis nobody answers."""
+    if options.cluster is None:
+        return None
+    from tether.cluster.liveset import ClusterError
+    from tether.coordinator.cluster import ClusterMember, ClusterSettings
+
+    assert options.service is not None
+    assert options.advertise is not None
+    settings = ClusterSettings(options.cluster, options.service, options.cluster_host_id,
+                               options.advertise)
+    member = ClusterMember(
+        settings,
+        local=coordinator.hop_addresses,
+        changed=coordinator.broadcast_live,
+        close_window_s=options.close_window_s or DEFAULT_CLOSE_WINDOW_S,
+    )
+    try:
+        epoch = await member.join()
+    except (ClusterError, TetherError) as error:
+        await member.stop()
+        if isinstance(error, TetherError):
+            raise StartupError(f"--cluster {options.cluster}: {error.detail}; start Redis "
+                               "there or point --cluster at a running one") from None
+        raise StartupError(f"--cluster {options.cluster}: {error}") from None
+    log.info("cluster_joined", service=settings.service, host_id=settings.host_id,
+             epoch=epoch)
+    return member
+
+
 def _url(options: ServeOptions, listener: socket.socket) -> str:
     if options.uds is not None:
         return f"unix:{options.uds}"
@@ -197,6 +248,7 @@ async def _serve(
     token: str,
     token_path: str | None,
     metrics_sock: socket.socket | None = None,
+    hop_secret: bytes | None = None,
 ) -> int:
     # Imported here, not at the top: every worker imports this package, and
     # prometheus_client (and aiohttp's server) stay out of the workers.
@@ -275,6 +327,12 @@ async def _serve(
         access_log=options.access_log,
         uvicorn=options.uvicorn_config(),
         server_secret=secrets.token_hex(32),
+        cluster=None if options.cluster is None or hop_secret is None else {
+            "url": options.cluster,
+            "service": str(options.service),
+            "advertise": str(options.advertise),
+            "hop_secret": hop_secret.hex(),
+        },
     )
     # --app-metrics: the app's prometheus_client writes its multiprocess files in a fresh
     # directory of this run; a worker that exits is marked dead there (SPEC 9).
@@ -300,6 +358,11 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        try:
+            coordinator.cluster = await _join_cluster(options, coordinator)
+        except StartupError as error:
+            say(f"tether serve: {error}", "startup_failed", error=True)
+            return 2
         metrics.start()
         if metrics_server is not None:
             await metrics_server.start()
@@ -343,6 +406,8 @@ async def _serve(
         if coordinator.checkpointer is not None:
             await coordinator.checkpointer.stop()
         await supervisor.stop()
+        if coordinator.cluster is not None:
+            await coordinator.cluster.stop()
         if metrics_server is not None:
             await metrics_server.close()
         await channels.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,14 @@ class ServeOptions:
     metrics_host: str = "127.0.0.1"
     app_metrics: bool = False
     """The app's own prometheus_client metrics in multiprocess mode, served beside tether's."""
+    cluster: str | None = None
+    """Several hosts (SPEC 12): the Redis URL that holds their claims and live set."""
+    service: str | None = None
+    advertise: str | None = None
+    """The address other hosts reach this one's hop listeners at."""
+    hop_secret_file: str | None = None
+    host_id: str | None = None
+    """None: `$POD_NAME` if set, else the hostname."""
     # uvicorn's flags, with uvicorn's meaning
     app_dir: str = "."
     factory: bool = False
@@ -84,6 +93,10 @@ class ServeOptions:
         return int(value) if value.isdigit() else 1
 
     @property
+    def cluster_host_id(self) -> str:
+        return self.host_id or os.environ.get("POD_NAME") or socket.gethostname()
+
+    @property
     def scheme(self) -> str:
         return "https" if self.ssl_certfile else "http"
 
@@ -117,10 +130,38 @@ class ServeOptions:
             return f"--env-file {self.env_file!r} does not exist"
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             return "--ssl-keyfile and --ssl-certfile go together: give both"
+        cluster_problem = self._cluster_problem()
+        if cluster_problem is not None:
+            return cluster_problem
         for limit, flag in ((self.timeout_graceful_shutdown, "--timeout-graceful-shutdown"),
                             (self.timeout_keep_alive, "--timeout-keep-alive")):
             if limit < 0:
                 return f"{flag} must not be negative"
+        return None
+
+    def _cluster_problem(self) -> str | None:
+        given = [flag for flag, value in (
+            ("--service", self.service), ("--advertise", self.advertise),
+            ("--hop-secret-file", self.hop_secret_file), ("--host-id", self.host_id),
+        ) if value is not None]
+        if self.cluster is None:
+            if given:
+                return f"{given[0]} needs --cluster redis://HOST:PORT/DB (several hosts)"
+            return None
+        if not self.cluster.startswith(("redis://", "rediss://", "unix://")):
+            return "--cluster must be a Redis URL: redis://HOST:PORT/DB"
+        for flag, value in (("--service", self.service), ("--advertise", self.advertise),
+                            ("--hop-secret-file", self.hop_secret_file)):
+            if value is None:
+                return f"--cluster needs {flag} too (docs/cluster.md)"
+        from tether.cluster.keys import name_problem  # only a cluster imports it
+
+        for flag, value in (("--service", self.service), ("--host-id", self.cluster_host_id)):
+            problem = name_problem(value)
+            if problem is not None:
+                return f"{flag}: {problem}"
+        if self.uds is not None:
+            return "--cluster serves on --host and --port; drop --uds"
         return None
 
     def uvicorn_config(self) -> dict[str, Any]:
@@ -216,6 +257,15 @@ FLAGS: tuple[Flag, ...] = (
          metavar="H"),
     Flag("app-metrics", "the app's own prometheus_client metrics in multiprocess mode, "
          "served beside tether's (default off)", switch=True),
+    Flag("cluster", "several hosts: the Redis that holds their claims and live set",
+         metavar="redis://HOST:PORT/DB"),
+    Flag("service", "with --cluster: the service's name, shared by all its hosts"),
+    Flag("advertise", "with --cluster: the address other hosts reach this one at",
+         metavar="ADDR"),
+    Flag("hop-secret-file", "with --cluster: the secret that signs hops between hosts "
+         "(0600, at least 32 bytes)", metavar="F"),
+    Flag("host-id", "with --cluster: this host's ID, unique and stable in the service "
+         "(default $POD_NAME, else the hostname)", metavar="ID"),
     Flag("app-dir", "look for APP's module in this directory (default .)"),
     Flag("factory", "APP names a function that returns the app", switch=True),
     Flag("env-file", "load environment variables from this file before starting workers"),

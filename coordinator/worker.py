@@ -41,7 +41,7 @@ from tether.routing.kinds import SessionKind
 from tether.routing.logs import LogFormat, configure_logging, say
 from tether.routing.mcp import share_request_state_key
 from tether.routing.types import SessionId, WorkerId, worker_id_or_none
-from tether.routing.worker import RoutingWorker
+from tether.routing.worker import HopListener, RoutingWorker
 
 log = structlog.get_logger("tether.worker")
 
@@ -84,6 +84,8 @@ class WorkerSettings:
     server_secret: str = ""
     """Random per server run, the same in every worker: for what must agree across
     workers but is per-process in a library (the MCP SDK's request-state key)."""
+    cluster: dict[str, str] | None = None
+    """On a cluster (SPEC 12): `url`, `service`, `advertise` and `hop_secret` (hex)."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -101,14 +103,29 @@ class TetherWorker:
         self.app = app
         self.settings = settings
         self.participant = declared_participant(app) or Participant()
+        cluster = settings.cluster
+        self._redis: Any = None
+        """On a cluster, this worker's client of the claims' Redis (closed at stop)."""
+        store = None
+        if cluster is not None:
+            from tether.cluster.claims import RedisClaimStore
+            from tether.cluster.client import redis_client
+
+            self._redis = redis_client(cluster["url"])
+            store = RedisClaimStore(self._redis, cluster["service"])
         self.routing = RoutingWorker(
             app,
             kind=kind,
-            runtime_dir=settings.runtime_dir if settings.workers > 1 else None,
+            # One worker routes nothing, unless other hosts forward to it.
+            runtime_dir=settings.runtime_dir if settings.workers > 1 or cluster else None,
+            store=store,
             control=ControlApp(settings.token, self._control),
             admission=self.participant,
             access_log=settings.access_log,
             drain_s=settings.uvicorn.get("timeout_graceful_shutdown"),
+            hops=None if cluster is None else HopListener(
+                cluster["advertise"], bytes.fromhex(cluster["hop_secret"])
+            ),
         )
         self.participant.worker = self.routing.id
         self.reports = ReadinessReporter(self.participant, self._send_report)
@@ -137,7 +154,7 @@ class TetherWorker:
         try:
             await app_lifespan.startup()
             # Registered and welcomed before any socket of this worker accepts (SPEC 3).
-            await self._register()
+            await self._register(await self.routing.listen_for_hops())
             await self.routing.start()
         except Exception as error:
             problem = str(error) if isinstance(error, RuntimeError) else repr(error)
@@ -164,16 +181,16 @@ class TetherWorker:
             await asyncio.to_thread(tracing.stop)
         await send({"type": "lifespan.shutdown.complete"})
 
-    async def _register(self) -> None:
+    async def _register(self, hop: str | None) -> None:
         path = os.path.join(self.settings.runtime_dir, COORDINATOR_SOCKET)
         self.channel = await connect(path, self._handle, name=f"worker-{self.id[:8]}")
         welcome = await self.channel.request(
             "register",
             {"worker": self.id, "pid": os.getpid(),
-             "state_version": self.participant.state_version},
+             "state_version": self.participant.state_version, "hop": hop},
             timeout=REGISTER_TIMEOUT_S,
         )
-        self._apply_live(welcome["live"])
+        self._apply_live(welcome)
         if welcome.get("admission_closed"):
             self.participant.close_admission()
             self.reports.start()  # its first report follows at once
@@ -199,6 +216,8 @@ class TetherWorker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         await self.routing.stop()
+        if self._redis is not None:
+            await self._redis.aclose()
         if self.channel is not None:
             await self.channel.close()
 
@@ -215,7 +234,7 @@ class TetherWorker:
 
     async def _handle(self, kind: str, body: Any) -> Any:
         if kind == "live":
-            self._apply_live(body["workers"])
+            self._apply_live(body)
             return None
         if kind in _PARTICIPANT_CALLS:
             return await worker_call(kind, self.id, self._participant_call(kind, body))
@@ -287,7 +306,7 @@ class TetherWorker:
             await asyncio.gather(*installing, return_exceptions=True)
             await participant.release_all()
             if self.routing.claims is not None:
-                self.routing.claims.release_all()
+                await self.routing.claims.release_all()
             self.routing.tables.placed, self.routing.tables.aliases = {}, {}
         elif kind == "retire":
             return await participant.retire(body["episode_id"], body["attempt"], body["within_s"])
@@ -324,9 +343,17 @@ class TetherWorker:
         }
         self.routing.tables.aliases = loaded["aliases"]
 
-    def _apply_live(self, workers: list[str]) -> None:
-        live = [w for w in (worker_id_or_none(w) for w in workers) if w is not None]
-        self.routing.tables.set_live([*live, self.id])
+    def _apply_live(self, body: dict[str, Any]) -> None:
+        """The live set the coordinator pushed: this host's workers, and on a cluster every
+        other host's with its hop address, and the workers known dead."""
+        live = [w for w in (worker_id_or_none(w) for w in body["live"]) if w is not None]
+        addresses = body.get("addresses")
+        dead = body.get("dead")
+        self.routing.tables.set_live(
+            [*live, self.id],
+            {WorkerId(w): str(a) for w, a in addresses.items()} if addresses else None,
+            None if dead is None else [WorkerId(w) for w in dead],
+        )
 
     async def _relay(self, call: str, body: Any) -> Any:
         """A control call, answered by the coordinator. It waits as long as the call's own

@@ -282,7 +282,8 @@ class Server:
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                problems.append(f"main process {self.pid} ignored SIGTERM for {STOP_TIMEOUT_S} s")
+                problems.append(f"main process {self.pid} ignored SIGTERM for {STOP_TIMEOUT_S} s;"
+                                f" its last lines:\n{self.stderr()[-3000:]}")
                 self._kill_group()
                 self.proc.wait()
         deadline = time.monotonic() + GROUP_TIMEOUT_S

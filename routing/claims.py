@@ -23,17 +23,20 @@ Clock = Callable[[], float]
 
 
 class ClaimStore(Protocol):
-    """The claims shared by one server's workers."""
+    """The claims shared by one server's workers (or by every host's, on a cluster).
 
-    def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
+    Asynchronous because a shared engine answers over the network; the embedded file
+    store answers inline, so awaiting it never suspends."""
+
+    async def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
         """Claim the ID for `worker` unless another worker has; return the claimant."""
         ...
 
-    def claimant(self, session_id: SessionId) -> WorkerId | None:
+    async def claimant(self, session_id: SessionId) -> WorkerId | None:
         """The worker that claims the ID, or None."""
         ...
 
-    def release(self, session_id: SessionId, worker: WorkerId) -> None:
+    async def release(self, session_id: SessionId, worker: WorkerId) -> None:
         """Remove `worker`'s claim on the ID (only the claimant calls this)."""
         ...
 
@@ -51,7 +54,8 @@ class FileClaimStore:
     hash collision is detected rather than routed.
 
     Every operation is one or two small system calls (~10 us), done inline on purpose:
-    a thread hop would cost more than the call.
+    a thread hop would cost more than the call. The methods are coroutines only to share
+    `ClaimStore`'s signature; none of them suspends.
     """
 
     def __init__(self, directory: str) -> None:
@@ -62,7 +66,7 @@ class FileClaimStore:
         digest = hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
         return os.path.join(self.directory, digest)
 
-    def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
+    async def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
         path = self._path(session_id)
         temp = f"{path}.{secrets.token_hex(4)}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -75,7 +79,7 @@ class FileClaimStore:
                 try:
                     os.link(temp, path)
                 except FileExistsError:
-                    existing = self.claimant(session_id)
+                    existing = self._read(session_id)
                     if existing is not None:
                         return existing
                     continue  # released between link and read, or names no worker
@@ -84,7 +88,10 @@ class FileClaimStore:
             os.unlink(temp)
         raise TetherError("session_conflict", f"the claim file of {session_id!r} names no worker")
 
-    def claimant(self, session_id: SessionId) -> WorkerId | None:
+    async def claimant(self, session_id: SessionId) -> WorkerId | None:
+        return self._read(session_id)
+
+    def _read(self, session_id: SessionId) -> WorkerId | None:
         # os.open/read/close: three system calls; buffered open() makes seven.
         try:
             fd = os.open(self._path(session_id), os.O_RDONLY)
@@ -99,8 +106,8 @@ class FileClaimStore:
             raise TetherError("session_conflict", "claim hash collision with another session")
         return worker_id_or_none(owner)
 
-    def release(self, session_id: SessionId, worker: WorkerId) -> None:
-        if self.claimant(session_id) == worker:
+    async def release(self, session_id: SessionId, worker: WorkerId) -> None:
+        if self._read(session_id) == worker:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(session_id))
 
@@ -129,17 +136,17 @@ class WorkerClaims:
     def mine(self, session_id: SessionId) -> bool:
         return session_id in self._mine
 
-    def lookup(self, session_id: SessionId) -> WorkerId | None:
+    async def lookup(self, session_id: SessionId) -> WorkerId | None:
         """The claimant: this worker from memory, else the store."""
         if session_id in self._mine:
             return self.worker
-        return self.store.claimant(session_id)
+        return await self.store.claimant(session_id)
 
-    def claim(self, session_id: SessionId) -> WorkerId:
+    async def claim(self, session_id: SessionId) -> WorkerId:
         """Claim the ID for this worker unless another has; return the claimant."""
         if session_id in self._mine:
             return self.worker
-        owner = self.store.claim(session_id, self.worker)
+        owner = await self.store.claim(session_id, self.worker)
         if owner == self.worker:
             self._mine.add(session_id)
         return owner
@@ -172,34 +179,43 @@ class WorkerClaims:
     def in_progress(self, session_id: SessionId) -> bool:
         return session_id in self._serving
 
-    def drop(self, session_id: SessionId) -> bool:
+    async def drop(self, session_id: SessionId) -> bool:
         """Release a claim nobody can name (a minted ID whose start failed) right away,
         unless a request for it is in progress."""
         if session_id in self._serving or session_id not in self._mine:
             return False
         self._mine.discard(session_id)
         self.lifetimes.forget(session_id)
-        self.store.release(session_id, self.worker)
+        await self.store.release(session_id, self.worker)
         return True
 
-    def release_all(self) -> int:
+    async def release_all(self) -> int:
         """Release every claim of this worker that no request is using (a restore given
         up: what it placed here is gone again); returns how many."""
         released = [sid for sid in self._mine if sid not in self._serving]
         for session_id in released:
             self._mine.discard(session_id)
             self.lifetimes.forget(session_id)
-            self.store.release(session_id, self.worker)
+            await self.store.release(session_id, self.worker)
         return len(released)
 
-    def sweep(self) -> list[SessionId]:
-        """Release every claim whose lifetime has ended and that no request is using."""
+    async def sweep(self) -> list[SessionId]:
+        """Release every claim whose lifetime has ended and that no request is using. A
+        release the store refuses (a cluster's Redis out of reach) is tried again one
+        window later; the claim stays this worker's meanwhile."""
         released: list[SessionId] = []
-        for session_id in self.lifetimes.due(self.clock(), self._mine):
+        due = self.lifetimes.due(self.clock(), self._mine)
+        for index, session_id in enumerate(due):
             if session_id in self._serving or session_id not in self._mine:
                 continue  # its request's end records it again
+            try:
+                await self.store.release(session_id, self.worker)
+            except TetherError:
+                for later in due[index:]:
+                    if later in self._mine and later not in self._serving:
+                        self.lifetimes.ended(later, self.clock())
+                raise
             self._mine.discard(session_id)
             self.lifetimes.forget(session_id)
-            self.store.release(session_id, self.worker)
             released.append(session_id)
         return released

@@ -49,6 +49,8 @@ ErrorCode = Literal[
     "worker_unreported",
     "worker_lost",
     "unsupported_topology",
+    "cluster_unavailable",
+    "hop_unauthorized",
     "internal_error",
 ]
 
@@ -83,6 +85,8 @@ ERRORS: dict[ErrorCode, tuple[int, str]] = {
     "worker_unreported": (503, "a worker did not confirm in time"),
     "worker_lost": (503, "a worker exited during the call; the checkpoint is intact, retry"),
     "unsupported_topology": (409, "plain uvicorn with several workers"),
+    "cluster_unavailable": (503, "the cluster store cannot be reached or this host's lease lapsed"),
+    "hop_unauthorized": (401, "a forwarded request between hosts without a valid signature"),
     "internal_error": (500, "an unexpected failure, logged where it happened"),
 }
 

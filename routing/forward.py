@@ -1,4 +1,4 @@
-"""The forwarding hop: a lean HTTP/1.1 passthrough client over Unix sockets.
+"""The forwarding hop: a lean HTTP/1.1 passthrough client over Unix sockets or TCP.
 
 A worker that receives a request for a session another worker holds hands the raw ASGI
 scope, `receive` and `send` to `Forwarder.forward`, which writes the request to the
@@ -6,12 +6,19 @@ claimant's private socket unchanged (less hop-by-hop headers) and moves the repl
 as raw ASGI messages, chunk by chunk. It parses with httptools on an `asyncio.Protocol`:
 no Starlette `Request`, no aiohttp, since this runs on every forwarded request.
 
+A claimant's address is its Unix socket's path (a worker of this host) or
+`tcp://host:port`, the hop listener of a worker of another host (SPEC 12), which serves
+only requests signed for it: there the hop header starts with a fresh signature
+(hopsign.py, made by the forwarder's `signer`), and TCP_NODELAY is set. Everything else
+is the same on both: one pool per address, streaming, the one retry.
+
 Errors::
 
     ClaimantGone          the claimant is known dead: its socket path is missing, or
-                          the connection was refused (raised before anything was sent)
-    ClaimantUnavailable   any other failure to reach it before its first reply byte
-                          (raised before anything was sent)
+                          the connection to it was refused (raised before anything was
+                          sent); never over TCP, where the live set alone says who is dead
+    ClaimantUnavailable   any other failure to reach it before its first reply byte, a
+                          refused TCP connection included (raised before anything was sent)
     ConnectionResetError  the claimant's connection broke after the reply began; the
                           receiving server then aborts the client connection
 """
@@ -19,14 +26,25 @@ Errors::
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import quote
+import contextlib
+import functools
+import socket
+from collections.abc import Callable
+from urllib.parse import quote, urlsplit
 
 import httptools
 from starlette.types import Receive, Scope, Send
 
-from tether.routing.hop import HOP_HEADER
+from tether.routing.hop import HOP_HEADER, signed_hop_value
+from tether.routing.hopsign import request_target
+from tether.routing.types import WorkerId
 
-__all__ = ["ClaimantGone", "ClaimantUnavailable", "Forwarder"]
+__all__ = ["TCP", "ClaimantGone", "ClaimantUnavailable", "Forwarder", "Signer", "connect"]
+
+TCP = "tcp://"
+"""How the address of a worker of another host starts (`tcp://host:port`)."""
+Signer = Callable[[str, str, WorkerId], str]
+"""Signs a hop between hosts: (method, request target, target worker) -> signature."""
 
 HOP_BY_HOP = frozenset(
     {
@@ -57,6 +75,50 @@ class ClaimantGone(Exception):
 
 class ClaimantUnavailable(Exception):
     """The claimant could not be reached, or its connection died before any reply byte."""
+
+
+@functools.lru_cache(maxsize=1024)
+def tcp_endpoint(address: str) -> tuple[str, int]:
+    """The host and port of a `tcp://host:port` address (parsed once per address)."""
+    parts = urlsplit(address)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path:
+        raise ValueError(f"not a tcp://host:port address: {address!r}")
+    return parts.hostname, port
+
+
+async def connect(
+    loop: asyncio.AbstractEventLoop,
+    protocol: asyncio.Protocol,
+    address: str,
+    connect_timeout: float,
+) -> None:
+    """Connect `protocol` to the claimant at `address` (a socket path or `tcp://host:port`)
+    within `connect_timeout` s; raises `ClaimantGone` or `ClaimantUnavailable` (see the
+    module docstring)."""
+    tcp = address.startswith(TCP)
+    endpoint = tcp_endpoint(address) if tcp else None
+    try:
+        async with asyncio.timeout(connect_timeout):
+            if endpoint is None:
+                await loop.create_unix_connection(lambda: protocol, address)
+            else:
+                transport, _ = await loop.create_connection(lambda: protocol, *endpoint)
+                sock = transport.get_extra_info("socket")
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        if tcp:
+            # Nobody listens there now: the worker restarts, or died and its host has not
+            # said so yet. Only the live set makes it dead (SPEC 12).
+            raise ClaimantUnavailable(f"{address} refused the connection") from exc
+        raise ClaimantGone(f"no claimant listens at {address}") from exc
+    except OSError as exc:  # includes TimeoutError
+        raise ClaimantUnavailable(f"cannot connect to {address}: {exc!r}") from exc
 
 
 class _Connection(asyncio.Protocol):
@@ -301,38 +363,53 @@ def _head_parts(scope: Scope, dropped: frozenset[bytes]) -> tuple[list[bytes], i
 
 
 class Forwarder:
-    """One connection pool per claimant socket path; no connection limit; connect timeout only.
+    """One connection pool per claimant address; no connection limit; connect timeout only.
 
     There is no read or total timeout: a reply may stream for as long as the client keeps
     its connection. Pooled connections idle longer than `idle_timeout`, or closed by the
-    claimant, are dropped when next checked out.
+    claimant, are dropped when next checked out. `signer` signs requests to `tcp://`
+    addresses (a worker with a hop secret has one; without it only socket paths work).
     """
 
-    def __init__(self, *, connect_timeout: float = 5.0, idle_timeout: float = 15.0) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 5.0,
+        idle_timeout: float = 15.0,
+        signer: Signer | None = None,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
+        self.signer = signer
         self.forwarded: int = 0
         self._pools: dict[str, list[_Connection]] = {}
         self._closed = False
 
     async def forward(
         self,
-        socket_path: str,
+        address: str,
         scope: Scope,
         receive: Receive,
         send: Send,
         body: bytes | None = None,
         hop: bytes | None = None,
+        target: WorkerId | None = None,
     ) -> None:
-        """Forward one http request to the claimant at `socket_path` and stream its reply.
+        """Forward one http request to the claimant at `address` (a socket path or
+        `tcp://host:port`) and stream its reply.
 
         `body`, if given, is the whole request body, already read by the caller; `receive`
         is then only watched for the client's disconnect. `hop`, if given, is sent as the
-        request's last header, `x-tether-hop` (hop.py). Raises `ClaimantGone` or
-        `ClaimantUnavailable` before anything was sent to `send`; returns quietly if the
-        client disconnects.
+        request's last header, `x-tether-hop` (hop.py). To a `tcp://` address that header
+        also carries a signature for worker `target`, which must then be given. Raises
+        `ClaimantGone` or `ClaimantUnavailable` before anything was sent to `send`;
+        returns quietly if the client disconnects.
         """
         self.forwarded += 1
+        caller = hop
+        signed = address.startswith(TCP)
+        if signed:
+            hop = self._sign(scope, target, caller)
         parts, length_at, connection = _head_parts(scope, _NOT_FORWARDED)
         if connection is not None:
             # Headers named in `connection` are hop-by-hop too (rare, so a second pass).
@@ -371,10 +448,10 @@ class Forwarder:
         loop = asyncio.get_running_loop()
 
         while True:
-            conn = None if retried else self._checkout(socket_path, loop)
+            conn = None if retried else self._checkout(address, loop)
             reused = conn is not None
             if conn is None:
-                conn = await self._connect(socket_path, loop)
+                conn = await self._connect(address, loop)
             conn.begin(is_head)
             transport = conn.transport
             timer: asyncio.TimerHandle | None = None
@@ -467,7 +544,7 @@ class Forwarder:
                             if conn.client_gone:
                                 return
                             raise ConnectionResetError(
-                                f"the claimant at {socket_path} closed the connection mid-reply"
+                                f"the claimant at {address} closed the connection mid-reply"
                             )
                         # A reply without content-length or chunking ends at EOF.
                         conn.finished = True
@@ -483,7 +560,7 @@ class Forwarder:
                     timer.cancel()
                     conn.unwatch()
                 if reusable:
-                    self._release(socket_path, conn)
+                    self._release(address, conn)
                 elif not conn.closed:
                     conn.transport.abort()
             # The connection died before the reply's first byte.
@@ -494,12 +571,22 @@ class Forwarder:
                 and (not streaming or recorded is not None)
             ):
                 retried = True
+                if signed:
+                    # A fresh nonce: the listener may have seen (and remembered) the first.
+                    parts[-3] = self._sign(scope, target, caller)
+                    head = b"".join(parts)
                 continue
-            raise ClaimantUnavailable(f"the claimant at {socket_path} closed the connection")
+            raise ClaimantUnavailable(f"the claimant at {address} closed the connection")
 
-    def discard(self, socket_path: str) -> None:
+    def _sign(self, scope: Scope, target: WorkerId | None, hop: bytes | None) -> bytes:
+        if self.signer is None or target is None:
+            raise ValueError("a hop to another host needs the forwarder's signer and a target")
+        signature = self.signer(scope["method"], request_target(scope), target)
+        return signed_hop_value(signature, hop)
+
+    def discard(self, address: str) -> None:
         """Close the pooled connections to a claimant, e.g. when it died."""
-        pool = self._pools.pop(socket_path, None)
+        pool = self._pools.pop(address, None)
         if pool:
             for conn in pool:
                 conn.pool = None
@@ -520,8 +607,8 @@ class Forwarder:
         if waiters:
             await asyncio.gather(*waiters)
 
-    def _checkout(self, socket_path: str, loop: asyncio.AbstractEventLoop) -> _Connection | None:
-        pool = self._pools.get(socket_path)
+    def _checkout(self, address: str, loop: asyncio.AbstractEventLoop) -> _Connection | None:
+        pool = self._pools.get(address)
         if not pool:
             return None
         now = loop.time()
@@ -534,16 +621,16 @@ class Forwarder:
             conn.transport.abort()
         return None
 
-    def _release(self, socket_path: str, conn: _Connection) -> None:
+    def _release(self, address: str, conn: _Connection) -> None:
         if self._closed:
             conn.transport.close()
             return
         conn.in_use = False
         conn.resume_reading()
         now = conn.idle_since = conn.loop.time()
-        pool = self._pools.get(socket_path)
+        pool = self._pools.get(address)
         if pool is None:
-            pool = self._pools[socket_path] = []
+            pool = self._pools[address] = []
         # The oldest idle connections are at the bottom; drop those past the idle timeout.
         while pool and now - pool[0].idle_since > self.idle_timeout:
             stale = pool.pop(0)
@@ -552,14 +639,11 @@ class Forwarder:
         conn.pool = pool
         pool.append(conn)
 
-    async def _connect(self, socket_path: str, loop: asyncio.AbstractEventLoop) -> _Connection:
+    async def _connect(self, address: str, loop: asyncio.AbstractEventLoop) -> _Connection:
         conn = _Connection(loop)
         try:
-            async with asyncio.timeout(self.connect_timeout):
-                await loop.create_unix_connection(lambda: conn, socket_path)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            self.discard(socket_path)
-            raise ClaimantGone(f"no claimant listens at {socket_path}") from exc
-        except OSError as exc:  # includes TimeoutError
-            raise ClaimantUnavailable(f"cannot connect to {socket_path}: {exc!r}") from exc
+            await connect(loop, conn, address, self.connect_timeout)
+        except ClaimantGone:
+            self.discard(address)
+            raise
         return conn

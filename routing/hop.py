@@ -12,6 +12,12 @@ host stands for no client (or no server), an empty port for none; a field holdin
 a `%` or anything but printable ASCII is percent-encoded. Only the private socket reads the
 header; the public side never passes a copy on (`forward.py` drops it) nor lets the app see
 one (the router strips it), so a client cannot forge its address.
+
+On a hop between hosts (to a worker's TCP hop listener, `PrivateServer.tcp`) the value
+starts with one more token, the signature (`<unix seconds>.<nonce>.<hex HMAC>`,
+hopsign.py), and a space: `<signature> <the six fields>`. The listener takes it off with
+`take_signature` and checks it before anything else runs, so what `take_hop` reads is the
+same on both kinds of hop, and a same-host hop pays nothing for it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,14 @@ from urllib.parse import quote, unquote
 
 from starlette.types import Scope
 
-__all__ = ["HOP_HEADER", "hop_value", "strip_hop", "take_hop"]
+__all__ = [
+    "HOP_HEADER",
+    "hop_value",
+    "signed_hop_value",
+    "strip_hop",
+    "take_hop",
+    "take_signature",
+]
 
 HOP_HEADER = b"x-tether-hop"
 _SAFE = "!\"#$&'()*+,/:;<=>?@[\\]^_`{|}~"
@@ -45,6 +58,25 @@ def hop_value(scope: Scope) -> bytes:
     scheme = scope.get("scheme", "http")
     value = f"{scheme} {client_host} {client_port} {server_host} {server_port} {root_path}"
     return value.encode("latin-1")
+
+
+def signed_hop_value(signature: str, value: bytes | None) -> bytes:
+    """The hop header's value on a hop between hosts: the signature, then `value`."""
+    token = signature.encode("ascii")
+    return token if value is None else token + b" " + value
+
+
+def take_signature(scope: Scope) -> str | None:
+    """On a hop listener: take the first token, the signature, off the hop header the
+    forwarder put last, leaving the caller's fields (maybe none) for `take_hop`. None
+    without a hop header (the scope is then unchanged)."""
+    headers = scope["headers"]
+    if not headers or headers[-1][0] != HOP_HEADER:
+        return None
+    value: bytes = headers[-1][1]
+    signature, _, rest = value.partition(b" ")
+    scope["headers"] = [*headers[:-1], (HOP_HEADER, rest)]
+    return signature.decode("latin-1")
 
 
 def take_hop(scope: Scope) -> None:

@@ -7,7 +7,9 @@ hands the holder's accept (subprotocol, headers) or its denial response to the c
 then moves messages both ways, text and binary, in order, until either side closes; the
 close's code and reason reach the other side.
 
-The holder's side is our own lean client: an `asyncio.Protocol` on the Unix socket that
+The holder's side is our own lean client: an `asyncio.Protocol` on the Unix socket (or,
+for a holder on another host, on TCP to its `tcp://host:port` hop listener, the
+handshake's hop header then starting with a signature, as in `forward.py`) that
 writes the handshake itself (so the `host` header and the header order stay the
 client's), reads the reply head with httptools, and frames messages with the
 `websockets` library's sans-I/O codec (no tasks, queues or timers of its own).
@@ -21,9 +23,10 @@ client's message is read only once the holder's socket took the previous one.
 Errors (those of the HTTP hop, `forward.py`)::
 
     ClaimantGone          the holder is known dead: its socket path is missing, or it
-                          refused the connection (raised before anything was sent)
-    ClaimantUnavailable   any other failure to reach it before its reply head
-                          (raised before anything was sent)
+                          refused the connection (raised before anything was sent);
+                          never over TCP
+    ClaimantUnavailable   any other failure to reach it before its reply head, a refused
+                          TCP connection included (raised before anything was sent)
 """
 
 from __future__ import annotations
@@ -44,8 +47,16 @@ from starlette.types import Message, Receive, Scope, Send
 from websockets.frames import CloseCode, Frame, Opcode
 from websockets.protocol import Protocol, Side, State
 
-from tether.routing.forward import HOP_BY_HOP, ClaimantGone, ClaimantUnavailable
-from tether.routing.hop import HOP_HEADER
+from tether.routing.forward import (
+    HOP_BY_HOP,
+    TCP,
+    ClaimantUnavailable,
+    Signer,
+    connect,
+)
+from tether.routing.hop import HOP_HEADER, signed_hop_value
+from tether.routing.hopsign import request_target
+from tether.routing.types import WorkerId
 
 __all__ = ["Relays", "send_denial"]
 
@@ -467,10 +478,16 @@ class Relays:
     client and holder keep it, all closed by `close` when the worker stops."""
 
     def __init__(
-        self, *, connect_timeout: float = CONNECT_TIMEOUT_S, close_timeout: float = CLOSE_TIMEOUT_S
+        self,
+        *,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        close_timeout: float = CLOSE_TIMEOUT_S,
+        signer: Signer | None = None,
     ) -> None:
+        """`signer` signs handshakes to `tcp://` addresses (as the forwarder's does)."""
         self.connect_timeout = connect_timeout
         self.close_timeout = close_timeout
+        self.signer = signer
         self.opened = 0
         """Handshakes the holder answered (accepted or denied)."""
         self._open: set[_Relay] = set()
@@ -485,10 +502,18 @@ class Relays:
         return sum(r.holder.buffered + r.holder.write_buffer() for r in self._open)
 
     async def relay(
-        self, socket_path: str, scope: Scope, receive: Receive, send: Send, hop: bytes | None
+        self,
+        address: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        hop: bytes | None,
+        target: WorkerId | None = None,
     ) -> None:
         """Relay one WebSocket handshake (and then its messages) to the holder listening at
-        `socket_path`; `hop`, if given, is sent as the handshake's last header.
+        `address` (a socket path or `tcp://host:port`); `hop`, if given, is sent as the
+        handshake's last header, which to a `tcp://` address also carries a signature for
+        worker `target` (then required).
 
         Raises `ClaimantGone` or `ClaimantUnavailable` before anything was sent to `send`;
         returns once both sides closed."""
@@ -497,15 +522,15 @@ class Relays:
             return  # the client left before its handshake was read
         if self._closed:
             raise ClaimantUnavailable("the worker is stopping")
+        if address.startswith(TCP):
+            if self.signer is None or target is None:
+                raise ValueError("a relay to another host needs the signer and a target")
+            # GET: the method a handshake is checked as on the hop listener.
+            signature = self.signer("GET", request_target(scope), target)
+            hop = signed_hop_value(signature, hop)
         loop = asyncio.get_running_loop()
         holder = _Holder(loop)
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                await loop.create_unix_connection(lambda: holder, socket_path)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise ClaimantGone(f"no claimant listens at {socket_path}") from exc
-        except OSError as exc:  # includes TimeoutError
-            raise ClaimantUnavailable(f"cannot connect to {socket_path}: {exc!r}") from exc
+        await connect(loop, holder, address, self.connect_timeout)
         key = base64.b64encode(os.urandom(16))
         holder.transport.write(_handshake(scope, key, hop))
         # Until the holder answers, the client can only leave.
@@ -521,13 +546,13 @@ class Relays:
             if not (holder.upgraded or holder.complete):
                 if first.done():
                     return  # the client left first (the finally drops the holder's side)
-                raise ClaimantUnavailable(f"the claimant at {socket_path} closed the connection")
+                raise ClaimantUnavailable(f"the claimant at {address} closed the connection")
             self.opened += 1
             if not holder.upgraded:
                 await self._deny(scope, send, holder)
                 return
             if _header(holder.headers, b"sec-websocket-accept") != _accept_key(key):
-                raise ClaimantUnavailable(f"the claimant at {socket_path} answered a bad key")
+                raise ClaimantUnavailable(f"the claimant at {address} answered a bad key")
             accept: Message = {
                 "type": "websocket.accept",
                 "headers": [(n, v) for n, v in holder.headers if n not in _NOT_RETURNED],

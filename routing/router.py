@@ -234,40 +234,53 @@ class Router:
         scope[SCOPE_KEY] = session_id
         scope[WORKER_KEY] = self.worker
         scope[ROUTER_KEY] = self
-        if session_id is None:
-            target = self.worker if forwarded else self._named_worker(found.worker)
-            if target is None:
-                await self._refuse(send, TetherError("worker_gone", f"worker {found.worker}"))
-            elif target == self.worker:
-                await self._serve(None, found, scope, receive, send, forwarded)
-            else:
-                await self._timed_forward(target, scope, receive, send, body, "worker_gone")
-            return
-        owner = None if forwarded else self._locate(session_id)
-        if owner is None or owner == self.worker:
+        where = await self.destination(session_id, found.worker, forwarded)
+        if where is None:
             await self._serve(session_id, found, scope, receive, send, forwarded)
-        elif not self.tables.is_live(owner):
-            await self._gone(send, session_id)
+        elif isinstance(where, TetherError):
+            await self._refuse(send, where)
         else:
-            await self._timed_forward(owner, scope, receive, send, body, "session_gone")
+            gone = "worker_gone" if session_id is None else "session_gone"
+            await self._timed_forward(where, scope, receive, send, body, gone)
 
-    def _locate(self, session_id: SessionId) -> WorkerId | None:
+    async def destination(
+        self, session_id: SessionId | None, named: str | None, forwarded: bool
+    ) -> WorkerId | TetherError | None:
+        """Where a request or a WebSocket handshake goes (SPEC 4.2): None to serve it
+        here, the live worker to forward it to, or the error that refuses it. The one
+        place a routing decision is made."""
+        if forwarded:
+            return None
+        if session_id is None:
+            if named is None or named == self.worker:
+                return None
+            target = self.tables.resolve(WorkerId(named))
+            return target if target is not None else TetherError("worker_gone", f"worker {named}")
+        try:
+            owner = await self._locate(session_id)
+        except TetherError as error:
+            return error
+        if owner is None or owner == self.worker:
+            return None
+        if self.tables.is_live(owner):
+            return owner
+        if self.tables.is_gone(owner):
+            return session_gone(session_id)
+        return TetherError("claimant_unavailable", f"worker {owner} is not known to be live yet")
+
+    async def _locate(self, session_id: SessionId) -> WorkerId | None:
         """Lookup order: this worker's claims, the claim store, the placed-session table."""
         if self.claims is None:
             return None
+        if self.claims.mine(session_id):
+            return self.worker  # in memory: no coroutine on the commonest path
         try:
-            owner = self.claims.lookup(session_id)
-        except TetherError:
+            owner = await self.claims.lookup(session_id)
+        except TetherError as error:
+            if error.code == "cluster_unavailable":
+                raise  # nobody can tell who holds it: refused, never served here
             return None
         return owner if owner is not None else self.tables.placed.get(session_id)
-
-    def _named_worker(self, named: str | None) -> WorkerId | None:
-        """Where a request with no session goes: here, or the live worker `named` resolves to."""
-        if named is None:
-            return self.worker
-        if named == self.worker:
-            return self.worker
-        return self.tables.resolve(WorkerId(named))
 
     async def _timed_forward(
         self,
@@ -300,11 +313,12 @@ class Router:
             await self._refuse(send, TetherError("worker_gone", f"worker {owner}"))
             return
         self.stats.forwarded += 1
+        address = self.address(owner)
         try:
             forward = self.forwarder.forward if self.tracing is None else self.tracing.forward
-            await forward(self.socket_path(owner), scope, receive, send, body, hop_value(scope))
+            await forward(address, scope, receive, send, body, hop_value(scope), owner)
         except ClaimantGone:
-            self.forwarder.discard(self.socket_path(owner))
+            self.forwarder.discard(address)
             if gone == "worker_gone":
                 await self._refuse(send, TetherError("worker_gone", f"worker {owner}"))
             else:
@@ -312,10 +326,14 @@ class Router:
         except ClaimantUnavailable as error:
             await self._refuse(send, TetherError("claimant_unavailable", str(error)))
 
+    def address(self, worker: WorkerId) -> str:
+        """Where `worker` takes forwarded requests: its hop listener on another host
+        (`tcp://H:P`), else its private socket here."""
+        assert self.socket_path is not None
+        return self.tables.addresses.get(worker) or self.socket_path(worker)
+
     async def _gone(self, send: Send, session_id: SessionId | None) -> None:
-        await self._refuse(
-            send, TetherError("session_gone", f"the worker of session {session_id!r} exited")
-        )
+        await self._refuse(send, session_gone(session_id))
 
     async def _refuse(
         self, send: Send, error: TetherError, headers: list[tuple[bytes, bytes]] | None = None
@@ -392,7 +410,11 @@ class Router:
         if claims is not None and not claims.mine(session_id):
             placed = self.tables.placed.get(session_id) == self.worker
             if role == "start" or request in kind.close_routes or placed:
-                owner = claims.claim(session_id)
+                try:
+                    owner = await claims.claim(session_id)
+                except TetherError as error:  # the cluster's store is out of reach
+                    await self._refuse(send, error)
+                    return
                 if owner != self.worker:
                     await self._refuse(send, _conflict(session_id, owner))
                     return
@@ -407,7 +429,7 @@ class Router:
             if claims is not None:
                 claims.end(session_id, role, session.ok)
                 if minted and not session.ok:
-                    claims.drop(session_id)  # no cookie named it, so nobody can
+                    await claims.drop(session_id)  # no cookie named it, so nobody can
                 if session.reply_id is not None:
                     claims.end(session.reply_id, "start", session.ok)
                 if session.rotated_id is not None:
@@ -434,6 +456,11 @@ class Router:
         finally:
             if session.reply_id is not None:
                 self.claims.end(session.reply_id, "start", session.ok)
+
+
+def session_gone(session_id: SessionId | None) -> TetherError:
+    """410: the worker that holds the session is dead."""
+    return TetherError("session_gone", f"the worker of session {session_id!r} exited")
 
 
 def worker_of(scope: Scope) -> str | None:
@@ -476,7 +503,10 @@ class _Served:
             if self.refused:
                 return
             if message["type"] == "http.response.start":
-                error = await self._on_start(scope, message)
+                try:
+                    error = await self._on_start(scope, message)
+                except TetherError as unclaimable:  # the cluster's store is out of reach
+                    error = unclaimable
                 if error is not None:
                     self.refused = True
                     await self.router._refuse(send, error)
@@ -501,14 +531,14 @@ class _Served:
         if rotated is not None and self.minted:
             evidence = False
         if sid is not None and claims is not None and evidence and not claims.mine(sid):
-            owner = claims.claim(sid)
+            owner = await claims.claim(sid)
             if owner != router.worker:
                 await _release(kind, sid)
                 if rotated is not None:
                     await _release(kind, rotated)
                 return _conflict(sid, owner)
         if rotated is not None and claims is not None:
-            owner = claims.claim(rotated)
+            owner = await claims.claim(rotated)
             if owner != router.worker:
                 await _release(kind, rotated)
                 return _conflict(rotated, owner)
@@ -520,7 +550,7 @@ class _Served:
                 named = _header(message, kind.reply_header.encode())
                 reply_id = session_id_or_none(named) or reply_id
             if reply_id is not None and reply_id != sid and not claims.mine(reply_id):
-                owner = claims.claim(reply_id)
+                owner = await claims.claim(reply_id)
                 if owner != router.worker:
                     await _release(kind, reply_id)
                     return _conflict(reply_id, owner)

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import structlog
 from starlette.types import Message, Receive, Scope, Send
 
+from tether.routing.types import WorkerId
+
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
@@ -161,6 +163,7 @@ class HopTraces:
         send: Send,
         body: bytes | None = None,
         hop: bytes | None = None,
+        target: WorkerId | None = None,
     ) -> None:
         """`Forwarder.forward`, traced; raises what it raises."""
         incoming: dict[str, str] = {}
@@ -170,7 +173,7 @@ class HopTraces:
                 incoming[name.decode("latin-1")] = value.decode("latin-1")
             else:
                 headers.append((name, value))
-        holder = os.path.basename(socket_path).removesuffix(".sock")
+        holder = target or os.path.basename(socket_path).removesuffix(".sock")
         span = self.tracer.start_span(
             "tether forward",
             context=self._w3c.extract(incoming),
@@ -195,7 +198,8 @@ class HopTraces:
 
         try:
             await self.forwarder.forward(
-                socket_path, {**scope, "headers": headers}, receive, traced_send, body, hop
+                socket_path, {**scope, "headers": headers}, receive, traced_send, body, hop,
+                target,
             )
         except BaseException as error:
             span.set_attribute("error.type", type(error).__name__)

@@ -36,6 +36,7 @@ from tether.routing.router import (
     _conflict,
     _release,
     _with_session_cookie,
+    session_gone,
 )
 from tether.routing.sources import Found, find, route_path
 from tether.routing.types import SessionId, WorkerId
@@ -89,22 +90,14 @@ async def _route(
     scope[SCOPE_KEY] = session_id
     scope[WORKER_KEY] = router.worker
     scope[ROUTER_KEY] = router
-    if session_id is None:
-        target = router.worker if forwarded else router._named_worker(found.worker)
-        if target is None:
-            await refuse(router, scope, send, TetherError("worker_gone", f"worker {found.worker}"))
-        elif target == router.worker:
-            await _serve(router, None, found, scope, receive, send, forwarded)
-        else:
-            await _relay(router, target, scope, receive, send, "worker_gone")
-        return
-    owner = None if forwarded else router._locate(session_id)
-    if owner is None or owner == router.worker:
+    where = await router.destination(session_id, found.worker, forwarded)
+    if where is None:
         await _serve(router, session_id, found, scope, receive, send, forwarded)
-    elif not router.tables.is_live(owner):
-        await refuse(router, scope, send, _gone(session_id))
+    elif isinstance(where, TetherError):
+        await refuse(router, scope, send, where)
     else:
-        await _relay(router, owner, scope, receive, send, "session_gone")
+        gone = "worker_gone" if session_id is None else "session_gone"
+        await _relay(router, where, scope, receive, send, gone)
 
 
 async def refuse(router: Router, scope: Scope, send: Send, error: TetherError) -> None:
@@ -122,10 +115,6 @@ async def refuse(router: Router, scope: Scope, send: Send, error: TetherError) -
     await send_denial(scope, send, error.status, headers, body, reason=error.code)
 
 
-def _gone(session_id: SessionId | None) -> TetherError:
-    return TetherError("session_gone", f"the worker of session {session_id!r} exited")
-
-
 async def _relay(
     router: Router,
     owner: WorkerId,
@@ -139,16 +128,16 @@ async def _relay(
         await refuse(router, scope, send, TetherError("worker_gone", f"worker {owner}"))
         return
     router.stats.forwarded += 1
-    path = router.socket_path(owner)
+    path = router.address(owner)
     try:
-        await relays.relay(path, scope, receive, send, hop_value(scope))
+        await relays.relay(path, scope, receive, send, hop_value(scope), owner)
     except ClaimantGone:
         if router.forwarder is not None:
             router.forwarder.discard(path)
         error = (
             TetherError("worker_gone", f"worker {owner}")
             if gone == "worker_gone"
-            else _gone(scope.get(SCOPE_KEY))
+            else session_gone(scope.get(SCOPE_KEY))
         )
         await refuse(router, scope, send, error)
     except ClaimantUnavailable as error:
@@ -203,7 +192,11 @@ async def _serve_admitted(
     claims = router.claims
     placed = router.tables.placed.get(session_id) == router.worker
     if claims is not None and placed and not claims.mine(session_id):
-        owner = claims.claim(session_id)  # a restored session, first served here
+        try:
+            owner = await claims.claim(session_id)  # a restored session, first served here
+        except TetherError as error:  # the cluster's store is out of reach
+            await refuse(router, scope, send, error)
+            return
         if owner != router.worker:
             await refuse(router, scope, send, _conflict(session_id, owner))
             return
@@ -273,7 +266,7 @@ class _Handshake:
         if not (used or (kind.holder is not None and kind.holder.holds(sid))):
             return None
         try:
-            owner = claims.claim(sid)
+            owner = await claims.claim(sid)
         except TetherError as error:
             return error
         if owner == router.worker:

@@ -8,13 +8,16 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from starlette.types import ASGIApp
 
 from tether.routing.claims import ClaimStore, FileClaimStore, WorkerClaims
+from tether.routing.errors import TetherError
 from tether.routing.forward import Forwarder
+from tether.routing.hopsign import HopSigner, HopVerifier
 from tether.routing.kinds import SessionKind
 from tether.routing.lifetimes import Lifetimes
 from tether.routing.private import PrivateServer
@@ -30,6 +33,15 @@ MIN_SWEEP_S = 0.05
 MAX_SWEEP_S = 5.0
 PRIVATE_DRAIN_S = 10
 """How long a stopping worker lets forwarded requests (streams included) finish."""
+
+
+@dataclass(frozen=True)
+class HopListener:
+    """Where a worker of a cluster listens for hops from other hosts (the advertised
+    address, any free port) and the secret they are signed with."""
+
+    host: str
+    secret: bytes = field(repr=False)
 
 
 def socket_path(runtime_dir: str, worker: WorkerId) -> str:
@@ -57,10 +69,12 @@ class RoutingWorker:
         admission: Admission | None = None,
         access_log: bool = True,
         drain_s: int | None = PRIVATE_DRAIN_S,
+        hops: HopListener | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`drain_s`: how long a stopping worker lets forwarded requests run (None: as
-        long as they take), as `--timeout-graceful-shutdown` does for its own."""
+        long as they take), as `--timeout-graceful-shutdown` does for its own. `hops`:
+        on a cluster, where this worker takes requests from other hosts, and their secret."""
         self.id = worker or new_worker_id()
         self.runtime_dir = runtime_dir
         self.tables = Tables([self.id])
@@ -68,6 +82,8 @@ class RoutingWorker:
         self.forwarder: Forwarder | None = None
         self.relays: Relays | None = None
         self.private: PrivateServer | None = None
+        self.hop_server: PrivateServer | None = None
+        """On a cluster, the TCP listener for requests other hosts forward here."""
         window = kind.close_window_s if kind else 300.0
         self._sweep_every = min(max(window / 20, MIN_SWEEP_S), MAX_SWEEP_S)
         self._sweeper: asyncio.Task[None] | None = None
@@ -76,8 +92,9 @@ class RoutingWorker:
                 store = FileClaimStore(claims_dir(runtime_dir))
             holder = kind.holder if kind else None
             self.claims = WorkerClaims(store, self.id, Lifetimes(window, holder), clock)
-            self.forwarder = Forwarder()
-            self.relays = Relays()
+            signer = None if hops is None else HopSigner(hops.secret)
+            self.forwarder = Forwarder(signer=signer)
+            self.relays = Relays(signer=signer)
         self.router = Router(
             app,
             worker=self.id,
@@ -99,10 +116,24 @@ class RoutingWorker:
                 self.socket_path(self.id),
                 timeout_graceful_shutdown=drain_s,
             )
+        if runtime_dir is not None and hops is not None:
+            self.hop_server = PrivateServer.tcp(
+                self.router.serve_forwarded, hops.host, 0, HopVerifier(hops.secret), self.id,
+                timeout_graceful_shutdown=drain_s,
+            )
 
     def socket_path(self, worker: WorkerId) -> str:
         assert self.runtime_dir is not None
         return socket_path(self.runtime_dir, worker)
+
+    async def listen_for_hops(self) -> str | None:
+        """On a cluster, start the hop listener and return its `host:port`, which the
+        worker registers. Safe before registering: no other host can name this worker
+        before its host's record lists it."""
+        if self.hop_server is None:
+            return None
+        await self.hop_server.start()
+        return f"{self.hop_server.host}:{self.hop_server.port}"
 
     async def start(self) -> None:
         """Serve forwarded requests and start sweeping expired claims."""
@@ -121,6 +152,8 @@ class RoutingWorker:
             self._sweeper = None
         if self.relays is not None:
             await self.relays.close()  # the WebSockets this worker relays, both sides
+        if self.hop_server is not None:
+            await self.hop_server.stop()
         if self.private is not None:
             await self.private.stop()
         if self.forwarder is not None:
@@ -152,9 +185,12 @@ class RoutingWorker:
         while True:
             await asyncio.sleep(self._sweep_every)
             try:
-                released = self.claims.sweep()
+                released = await self.claims.sweep()
             except OSError:
                 log.exception("claim_sweep_failed")
+                continue
+            except TetherError as error:  # a cluster's Redis out of reach: next round
+                log.warning("claim_sweep_failed", code=error.code, detail=error.detail)
                 continue
             if released:
                 log.debug("claims_released", count=len(released))

@@ -110,8 +110,8 @@ async def test_an_open_checkpoint_parks_new_seeds_without_a_claim_and_serves_hea
     assert "set-cookie" not in seed.headers
     minted = await a.post("/increment")  # no session: the router would mint one
     assert_error(minted, 503, "checkpoint_parked")
-    assert a.routing.claims.lookup(SessionId("new")) is None
-    assert a.routing.claims.lookup(SessionId("old")) == a.routing.id
+    assert await a.routing.claims.lookup(SessionId("new")) is None
+    assert await a.routing.claims.lookup(SessionId("old")) == a.routing.id
     assert len(a.routing.claims) == 1
     assert not a.app.state.counters.holds("new")
 

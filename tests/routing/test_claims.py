@@ -1,7 +1,9 @@
-"""The file claim store, on a real directory."""
+"""The file claim store, on a real directory. Its coroutines never suspend, so the tests
+run each to completion on a loop of its own."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -15,13 +17,14 @@ from tether.routing.types import SessionId, WorkerId
 
 A = WorkerId("a" * 32)
 B = WorkerId("b" * 32)
+run = asyncio.run
 
 
 def test_first_claim_wins_and_later_claims_name_the_winner(short_tmp: Path) -> None:
     store = FileClaimStore(str(short_tmp / "claims"))
-    assert store.claim(SessionId("s"), A) == A
-    assert store.claim(SessionId("s"), B) == A
-    assert store.claimant(SessionId("s")) == A
+    assert run(store.claim(SessionId("s"), A)) == A
+    assert run(store.claim(SessionId("s"), B)) == A
+    assert run(store.claimant(SessionId("s"))) == A
 
 
 def test_two_stores_claiming_the_same_1000_ids_at_once_have_one_winner_each(
@@ -32,31 +35,31 @@ def test_two_stores_claiming_the_same_1000_ids_at_once_have_one_winner_each(
     ids = [SessionId(f"session-{i}") for i in range(1000)]
 
     def claim_all(store: FileClaimStore, worker: WorkerId) -> list[WorkerId]:
-        return [store.claim(sid, worker) for sid in ids]
+        return [run(store.claim(sid, worker)) for sid in ids]
 
     with ThreadPoolExecutor(2) as pool:
         a = pool.submit(claim_all, one, A)
         b = pool.submit(claim_all, two, B)
         results_a, results_b = a.result(), b.result()
     assert results_a == results_b  # both agree on the winner of every ID
-    assert {one.claimant(sid) for sid in ids} <= {A, B}
-    assert [one.claimant(sid) for sid in ids] == results_a
+    assert {run(one.claimant(sid)) for sid in ids} <= {A, B}
+    assert [run(one.claimant(sid)) for sid in ids] == results_a
     leftovers = [name for name in os.listdir(short_tmp / "claims") if name.endswith(".tmp")]
     assert leftovers == []
 
 
 def test_only_the_claimant_removes_its_claim(short_tmp: Path) -> None:
     store = FileClaimStore(str(short_tmp / "claims"))
-    store.claim(SessionId("s"), A)
-    store.release(SessionId("s"), B)
-    assert store.claimant(SessionId("s")) == A
-    store.release(SessionId("s"), A)
-    assert store.claimant(SessionId("s")) is None
+    run(store.claim(SessionId("s"), A))
+    run(store.release(SessionId("s"), B))
+    assert run(store.claimant(SessionId("s"))) == A
+    run(store.release(SessionId("s"), A))
+    assert run(store.claimant(SessionId("s"))) is None
 
 
 def test_claim_files_are_private_and_name_worker_and_session(short_tmp: Path) -> None:
     store = FileClaimStore(str(short_tmp / "claims"))
-    store.claim(SessionId("my session"), A)
+    run(store.claim(SessionId("my session"), A))
     [name] = os.listdir(short_tmp / "claims")
     path = short_tmp / "claims" / name
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -65,20 +68,20 @@ def test_claim_files_are_private_and_name_worker_and_session(short_tmp: Path) ->
 
 def test_a_hash_collision_is_detected_not_routed(short_tmp: Path) -> None:
     store = FileClaimStore(str(short_tmp / "claims"))
-    store.claim(SessionId("real"), A)
+    run(store.claim(SessionId("real"), A))
     [name] = os.listdir(short_tmp / "claims")
     (short_tmp / "claims" / name).write_text(f"{A}\nanother session")
     with pytest.raises(TetherError) as caught:
-        store.claimant(SessionId("real"))
+        run(store.claimant(SessionId("real")))
     assert caught.value.code == "session_conflict"
 
 
 def test_a_claim_file_that_names_no_worker_is_a_conflict_not_a_loop(short_tmp: Path) -> None:
     store = FileClaimStore(str(short_tmp))
-    store.claim(SessionId("s"), WorkerId("a" * 32))
+    run(store.claim(SessionId("s"), WorkerId("a" * 32)))
     (path,) = [p for p in short_tmp.iterdir() if not p.name.endswith(".tmp")]
     path.write_text("not-a-worker\ns")
     with pytest.raises(TetherError) as raised:
-        store.claim(SessionId("s"), WorkerId("b" * 32))
+        run(store.claim(SessionId("s"), WorkerId("b" * 32)))
     assert raised.value.code == "session_conflict"
     assert [p.name for p in short_tmp.iterdir()] == [path.name], "no temp file is left"

@@ -79,7 +79,7 @@ async def test_forwarded_request_under_a_root_path_sees_the_path_uvicorn_gives_i
     # (its handler never reads the session).
     cookies = await seeded(a, "rooted")
     assert b.routing.claims is not None
-    assert b.routing.claims.lookup(SessionId("rooted")) == a.id
+    assert await b.routing.claims.lookup(SessionId("rooted")) == a.id
 
     direct, _ = await whoami(a, cookies)
     forwarded, _ = await whoami(b, cookies)

@@ -26,111 +26,111 @@ def make(
     return WorkerClaims(store, ME, Lifetimes(window, holder), clock), clock  # type: ignore[arg-type]
 
 
-def serve(claims: WorkerClaims, role: str, ok: bool = True, sid: SessionId = S) -> None:
-    claims.claim(sid)
+async def serve(claims: WorkerClaims, role: str, ok: bool = True, sid: SessionId = S) -> None:
+    await claims.claim(sid)
     claims.begin(sid)
     claims.end(sid, role, ok)  # type: ignore[arg-type]
 
 
-def test_open_session_keeps_its_claim_past_any_window(short_tmp: object) -> None:
+async def test_open_session_keeps_its_claim_past_any_window(short_tmp: object) -> None:
     claims, clock = make(short_tmp)
-    serve(claims, "start")
+    await serve(claims, "start")
     clock.now += 10_000
-    assert claims.sweep() == []
-    assert claims.store.claimant(S) == ME
+    assert await claims.sweep() == []
+    assert await claims.store.claimant(S) == ME
 
 
-def test_closed_session_loses_its_claim_one_window_after_its_last_request(
+async def test_closed_session_loses_its_claim_one_window_after_its_last_request(
     short_tmp: object,
 ) -> None:
     claims, clock = make(short_tmp)
-    serve(claims, "start")
+    await serve(claims, "start")
     clock.now += 5
-    serve(claims, "end")
+    await serve(claims, "end")
     clock.now += 9.9
-    assert claims.sweep() == []
+    assert await claims.sweep() == []
     clock.now += 0.2
-    assert claims.sweep() == [S]
-    assert claims.store.claimant(S) is None
+    assert await claims.sweep() == [S]
+    assert await claims.store.claimant(S) is None
     assert not claims.mine(S)
 
 
-def test_a_later_request_pushes_the_window_out(short_tmp: object) -> None:
+async def test_a_later_request_pushes_the_window_out(short_tmp: object) -> None:
     claims, clock = make(short_tmp)
-    serve(claims, "end")
+    await serve(claims, "end")
     clock.now += 8
-    serve(claims, "other")
+    await serve(claims, "other")
     clock.now += 8
-    assert claims.sweep() == []
+    assert await claims.sweep() == []
     clock.now += 3
-    assert claims.sweep() == [S]
+    assert await claims.sweep() == [S]
 
 
-def test_failed_seed_keeps_its_claim_only_for_the_window(short_tmp: object) -> None:
+async def test_failed_seed_keeps_its_claim_only_for_the_window(short_tmp: object) -> None:
     claims, clock = make(short_tmp)
-    serve(claims, "start", ok=False)
+    await serve(claims, "start", ok=False)
     clock.now += 11
-    assert claims.sweep() == [S]
+    assert await claims.sweep() == [S]
 
 
-def test_never_seeded_session_loses_its_claim_after_the_window(short_tmp: object) -> None:
+async def test_never_seeded_session_loses_its_claim_after_the_window(short_tmp: object) -> None:
     claims, clock = make(short_tmp)
-    serve(claims, "other")
+    await serve(claims, "other")
     clock.now += 11
-    assert claims.sweep() == [S]
+    assert await claims.sweep() == [S]
 
 
-def test_failed_close_of_an_open_session_leaves_it_open(short_tmp: object) -> None:
+async def test_failed_close_of_an_open_session_leaves_it_open(short_tmp: object) -> None:
     claims, clock = make(short_tmp)
-    serve(claims, "start")
-    serve(claims, "end", ok=False)
+    await serve(claims, "start")
+    await serve(claims, "end", ok=False)
     clock.now += 100
-    assert claims.sweep() == []
+    assert await claims.sweep() == []
 
 
-def test_ended_closes_an_open_session(short_tmp: object) -> None:
+async def test_ended_closes_an_open_session(short_tmp: object) -> None:
     claims, clock = make(short_tmp)
-    serve(claims, "start")
+    await serve(claims, "start")
     claims.ended(S)
     clock.now += 11
-    assert claims.sweep() == [S]
+    assert await claims.sweep() == [S]
 
 
-def test_rotated_session_keeps_its_lifetime_and_its_old_id_ends_as_closed(
+async def test_rotated_session_keeps_its_lifetime_and_its_old_id_ends_as_closed(
     short_tmp: object,
 ) -> None:
     new = SessionId("s2")
     for opened in (True, False):
         claims, clock = make(short_tmp, window=10.0)
-        serve(claims, "start" if opened else "other")
-        claims.claim(new)
+        await serve(claims, "start" if opened else "other")
+        await claims.claim(new)
         claims.begin(new)
         clock.now += 5
         claims.end(new, "other", True)  # as the router records the rotating request
         claims.renamed(S, new)
         clock.now += 9.9
-        assert claims.sweep() == []
+        assert await claims.sweep() == []
         clock.now += 0.2
-        assert claims.sweep() == ([S] if opened else [S, new])
+        assert await claims.sweep() == ([S] if opened else [S, new])
         clock.now += 10_000
-        assert claims.sweep() == []
+        assert await claims.sweep() == []
         assert claims.mine(new) is opened
-        claims.drop(new)
+        await claims.drop(new)
 
 
-def test_claim_is_not_released_while_a_request_is_in_progress(short_tmp: object) -> None:
+async def test_claim_is_not_released_while_a_request_is_in_progress(short_tmp: object) -> None:
     claims, clock = make(short_tmp)
-    serve(claims, "end")
+    await serve(claims, "end")
     claims.begin(S)
     clock.now += 100
-    assert claims.sweep() == []
+    assert await claims.sweep() == []
     claims.end(S, "other", True)
-    assert claims.sweep() == []
+    assert await claims.sweep() == []
     clock.now += 11
-    assert claims.sweep() == [S]
+    assert await claims.sweep() == [S]
 
 
-def test_holder_keeps_the_claim_exactly_while_it_holds(short_tmp: object) -> None:
+async def test_holder_keeps_the_claim_exactly_while_it_holds(short_tmp: object) -> None:
     held: set[str] = {S}
 
     class Holder:
@@ -138,14 +138,14 @@ def test_holder_keeps_the_claim_exactly_while_it_holds(short_tmp: object) -> Non
             return session_id in held
 
     claims, clock = make(short_tmp, holder=Holder())
-    serve(claims, "other")
+    await serve(claims, "other")
     clock.now += 10_000
-    assert claims.sweep() == []
+    assert await claims.sweep() == []
     held.clear()
     claims.begin(S)
-    assert claims.sweep() == []  # in progress
+    assert await claims.sweep() == []  # in progress
     claims.end(S, "other", True)
-    assert claims.sweep() == [S]
+    assert await claims.sweep() == [S]
 
 
 def test_many_sessions_expire_in_deadline_order() -> None:

@@ -317,7 +317,7 @@ async def test_bad_ids_in_a_handshake_count_as_no_id_and_it_is_served_where_it_l
     b = await cluster.add(websocket_app(kind))
     good = "g" * 256
     assert a.routing.claims is not None
-    a.routing.claims.claim(SessionId(good))
+    await a.routing.claims.claim(SessionId(good))
     bad_handshakes: list[tuple[str, dict[str, str]]] = [
         ("/whoami", {"x-session": "x" * 257}),  # oversize
         ("/whoami", {"x-session": "é"}),  # not printable ASCII
@@ -343,7 +343,7 @@ async def test_a_handshake_named_by_its_path_reaches_the_sessions_holder(
     a = await cluster.add(websocket_app(kind))
     b = await cluster.add(websocket_app(kind))
     assert a.routing.claims is not None
-    a.routing.claims.claim(SessionId("k1"))
+    await a.routing.claims.claim(SessionId("k1"))
     async with connect(ws_url(b, "/k/k1/whoami")) as ws:
         seen = json.loads(await ws.recv())
     assert (seen["worker"], seen["session_id"]) == (a.id, "k1")

@@ -28,7 +28,7 @@ async def test_a_kernel_minted_in_a_reply_is_claimed_and_reached_by_its_path(
         assert started.status_code == 201
         kernel = started.json()["id"]
         assert b.routing.claims is not None
-        assert b.routing.claims.lookup(SessionId(kernel)) == a.id, "claimed before the reply"
+        assert await b.routing.claims.lookup(SessionId(kernel)) == a.id, "claimed before the reply"
         for expected in range(1, 4):
             reply = await on_b.post(f"/api/kernels/{kernel}/execute", json={"code": "x += 2"})
             assert reply.status_code == 200, reply.text

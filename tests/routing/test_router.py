@@ -42,7 +42,7 @@ async def test_seed_whose_handler_never_reads_the_session_still_claims_it(
         seeded = await ca.post("/seed_session", json={"session_id": "quiet"})
     assert "session" in seeded.cookies  # the cookie names the body's ID
     assert b.routing.claims is not None
-    assert b.routing.claims.lookup(SessionId("quiet")) == a.id
+    assert await b.routing.claims.lookup(SessionId("quiet")) == a.id
 
 
 async def test_request_that_never_touches_the_session_gets_no_cookie_and_no_claim(
@@ -105,15 +105,15 @@ async def test_cookie_whose_claim_ended_is_claimed_again_by_the_worker_that_uses
     session_id = SessionId(touched.json()["session_id"])
     assert b.routing.claims is not None
     for _ in range(200):  # the sweep releases it a window later, with no request arriving
-        if b.routing.claims.lookup(session_id) is None:
+        if await b.routing.claims.lookup(session_id) is None:
             break
         await asyncio.sleep(0.02)
-    assert b.routing.claims.lookup(session_id) is None
+    assert await b.routing.claims.lookup(session_id) is None
     async with b.client(cookies=touched.cookies) as cb:
         again = await cb.get("/touch")
     assert again.json()["worker"] == b.id
     assert a.routing.claims is not None
-    assert a.routing.claims.lookup(session_id) == b.id
+    assert await a.routing.claims.lookup(session_id) == b.id
 
 
 async def test_post_handler_claim_that_loses_a_race_answers_409_and_keeps_no_state(
@@ -124,12 +124,12 @@ async def test_post_handler_claim_that_loses_a_race_answers_409_and_keeps_no_sta
     async with a.client() as ca:
         seeded = await ca.post("/seed_session", json={"session_id": "race"})
         assert a.routing.claims is not None
-        a.routing.claims.drop(SessionId("race"))  # as if its window had passed
+        await a.routing.claims.drop(SessionId("race"))  # as if its window had passed
         async with b.client(cookies=seeded.cookies) as cb:
             pending = asyncio.create_task(cb.get("/touch", params={"gate": "g"}))
             await asyncio.wait_for(b.app.state.entered.setdefault("g", asyncio.Event()).wait(), 5)
             assert b.app.state.values == {"race": 1}  # the handler made state on b
-            assert a.routing.claims.claim(SessionId("race")) == a.id  # a claims it meanwhile
+            assert await a.routing.claims.claim(SessionId("race")) == a.id  # a claims it meanwhile
             b.app.state.gates.setdefault("g", asyncio.Event()).set()
             lost = await pending
     assert lost.status_code == 409
@@ -169,7 +169,7 @@ async def test_seed_and_close_of_one_id_on_two_workers_at_once_never_split(
         results = await asyncio.gather(*(pair(s) for s in ids))
     assert a.routing.claims is not None and b.routing.claims is not None
     for session_id, (seed, close) in zip(ids, results, strict=True):
-        owner = a.routing.claims.lookup(SessionId(session_id))
+        owner = await a.routing.claims.lookup(SessionId(session_id))
         assert owner in (a.id, b.id)
         assert seed in (200, 409) and close in (200, 409)
         assert 200 in (seed, close)
@@ -195,7 +195,7 @@ async def test_forwarded_request_for_a_released_claim_is_served_there_never_forw
         served = await private.get("/touch")
         assert served.status_code == 409  # a still claims it: refused, not forwarded
         assert served.json()["code"] == "session_conflict"
-        a.routing.claims.drop(SessionId("moved"))
+        await a.routing.claims.drop(SessionId("moved"))
         served = await private.get("/touch")
     assert served.status_code == 200
     assert served.json()["worker"] == b.id
@@ -295,7 +295,7 @@ async def test_login_that_rotates_the_session_id_keeps_the_session_on_its_holder
     kind = a.routing.router.kind
     assert kind is not None and kind.cookie is not None
     assert (kind.cookie.decode(value) or {})["session_id"] == new
-    assert c.routing.claims.lookup(new) == a.id  # claimed before the reply left a
+    assert await c.routing.claims.lookup(new) == a.id  # claimed before the reply left a
 
     for count, node in enumerate((b, c, a, b), start=2):
         async with node.client(cookies=login.cookies) as client:
@@ -304,8 +304,11 @@ async def test_login_that_rotates_the_session_id_keeps_the_session_on_its_holder
     assert a.routing.claims.lifetimes.is_open(new)  # a seeded session stays open renamed
     assert not a.routing.claims.lifetimes.is_open(old)
     # The old ID ends as a closed session: its claim goes one window later; the new stays.
-    await eventually(lambda: c.routing.claims.lookup(old) is None, 10, "the old claim ends")
-    assert c.routing.claims.lookup(new) == a.id
+    async def old_released() -> bool:
+        return await c.routing.claims.lookup(old) is None  # type: ignore[union-attr]
+
+    await eventually(old_released, 10, "the old claim ends")
+    assert await c.routing.claims.lookup(new) == a.id
 
 
 async def test_rotating_a_minted_id_claims_only_the_new_one(cluster: Cluster) -> None:
@@ -317,7 +320,7 @@ async def test_rotating_a_minted_id_claims_only_the_new_one(cluster: Cluster) ->
     assert len(session_cookies(login)) == 1
     assert len(claim_files(cluster)) == 1  # the minted ID, never named, was not claimed
     assert a.routing.claims is not None
-    assert a.routing.claims.lookup(SessionId("fresh-login")) == b.id
+    assert await a.routing.claims.lookup(SessionId("fresh-login")) == b.id
     async with a.client(cookies=login.cookies) as ca:
         touched = await ca.get("/touch")
     assert touched.json() == {"session_id": "fresh-login", "n": 1, "worker": b.id}
@@ -340,6 +343,6 @@ async def test_rotation_to_an_id_another_worker_holds_answers_409_and_releases_i
     assert "set-cookie" not in lost.headers  # the client keeps its old cookie
     assert "taken" not in b.app.state.values  # the handler's state for it was released
     assert a.routing.claims is not None and b.routing.claims is not None
-    assert b.routing.claims.lookup(SessionId("taken")) == a.id
-    assert a.routing.claims.lookup(SessionId("mine")) == b.id
+    assert await b.routing.claims.lookup(SessionId("taken")) == a.id
+    assert await a.routing.claims.lookup(SessionId("mine")) == b.id
     assert b.routing.claims.lifetimes.is_open(SessionId("mine"))

@@ -144,11 +144,11 @@ async def test_a_claim_lost_at_the_replys_first_byte_counts_local_and_conflict(
     async with a.client() as ca:
         seeded = await ca.post("/seed_session", json={"session_id": "race"})
         assert a.routing.claims is not None
-        a.routing.claims.drop(SessionId("race"))  # as if its window had passed
+        await a.routing.claims.drop(SessionId("race"))  # as if its window had passed
         async with b.client(cookies=seeded.cookies) as cb:
             pending = asyncio.create_task(cb.get("/touch", params={"gate": "g"}))
             await asyncio.wait_for(b.app.state.entered.setdefault("g", asyncio.Event()).wait(), 5)
-            assert a.routing.claims.claim(SessionId("race")) == a.id  # a claims it meanwhile
+            assert await a.routing.claims.claim(SessionId("race")) == a.id  # a claims it meanwhile
             b.app.state.gates.setdefault("g", asyncio.Event()).set()
             assert (await pending).status_code == 409
     stats = b.routing.router.stats

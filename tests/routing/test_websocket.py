@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable
 
 import pytest
 from websockets.asyncio.client import connect
@@ -25,9 +26,13 @@ def cookie_for(node: Node, session_id: str) -> str:
     return f"session={kind.cookie.encode({'session_id': session_id})}"
 
 
-def claimant(node: Node, session_id: str) -> str | None:
+async def _none(value: Awaitable[object]) -> bool:
+    return await value is None
+
+
+async def claimant(node: Node, session_id: str) -> str | None:
     assert node.routing.claims is not None
-    return node.routing.claims.lookup(SessionId(session_id))
+    return await node.routing.claims.lookup(SessionId(session_id))
 
 
 async def test_a_websocket_that_reads_its_session_claims_it_before_the_accept_arrives(
@@ -37,7 +42,7 @@ async def test_a_websocket_that_reads_its_session_claims_it_before_the_accept_ar
     b = await cluster.add(websocket_app())
     cookie = cookie_for(a, "fresh")
     async with connect(ws_url(a), additional_headers={"cookie": cookie}) as first:
-        assert claimant(b, "fresh") == a.id  # claimed by the time the accept arrived
+        assert await claimant(b, "fresh") == a.id  # claimed by the time the accept arrived
         await first.send("n")
         assert json.loads(await first.recv()) == {"count": 1, "worker": a.id, "text": "n"}
         # Its next WebSocket, wherever it lands, reaches the same state.
@@ -55,7 +60,7 @@ async def test_a_websocket_that_never_touches_the_session_leaves_no_claim(
     async with connect(ws_url(a, "/whoami"),
                        additional_headers={"cookie": cookie_for(a, "untouched")}) as ws:
         assert json.loads(await ws.recv())["session_id"] == "untouched"
-    assert claimant(a, "untouched") is None
+    assert await claimant(a, "untouched") is None
 
 
 async def test_an_open_websocket_keeps_its_claim_which_ends_a_window_after_it_closes(
@@ -70,11 +75,11 @@ async def test_an_open_websocket_keeps_its_claim_which_ends_a_window_after_it_cl
             await ws.recv()
     async with connect(ws_url(a), additional_headers={"cookie": cookie_for(a, "kept")}) as ws:
         # The witness's claim ends: the sweep ran past both windows' end.
-        await eventually(lambda: claimant(a, "witness") is None, 10, "the witness is swept")
-        assert claimant(a, "kept") == a.id
+        await eventually(lambda: _none(claimant(a, "witness")), 10, "the witness is swept")
+        assert await claimant(a, "kept") == a.id
         await ws.send("n")
         assert json.loads(await ws.recv())["count"] == 2
-    await eventually(lambda: claimant(a, "kept") is None, 10, "the claim ends once closed")
+    await eventually(lambda: _none(claimant(a, "kept")), 10, "the claim ends once closed")
 
 
 async def test_a_websocket_whose_session_another_worker_claimed_first_is_refused_with_409(
@@ -103,7 +108,7 @@ async def test_a_websocket_whose_session_another_worker_claimed_first_is_refused
     assert refused.value.response.status_code == 409
     assert json.loads(refused.value.response.body)["code"] == "session_conflict"
     assert a.app.state.released == ["contested"]  # no state is left on two workers
-    assert claimant(a, "contested") == b.id
+    assert await claimant(a, "contested") == b.id
 
 
 async def test_open_websockets_are_not_in_progress_but_a_handshake_is(cluster: Cluster) -> None:

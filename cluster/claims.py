@@ -1,0 +1,234 @@
+"""Claims on Redis (SPEC 12): the `ClaimStore` every host's workers share.
+
+`tether:{service}:claim:{session_id}` holds the claimant's worker ID; it is created with
+`SET NX` and removed only by an owner-checked delete, both in Lua scripts, so two workers
+on any hosts never both claim an ID and only the claimant removes its claim. Each claim
+is also added to its worker's index set, so a dead worker's claims can be swept and a
+live worker's re-asserted after Redis comes back empty.
+
+Every script is idempotent, so redis-py's retry of a command whose reply was lost is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis.asyncio
+import redis.exceptions
+
+from tether.cluster.keys import ServiceKeys
+from tether.routing.errors import TetherError
+from tether.routing.types import SessionId, WorkerId, session_id_or_none, worker_id_or_none
+
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,  # also BusyLoadingError, AuthenticationError
+    redis.exceptions.TimeoutError,
+    TimeoutError,
+    OSError,
+    redis.exceptions.ReadOnlyError,  # a failover: the client still talks to the old primary
+    redis.exceptions.ClusterDownError,  # also MasterDownError
+    redis.exceptions.TryAgainError,
+    redis.exceptions.OutOfMemoryError,
+)
+"""What a Redis call raises when Redis cannot serve it now: all become `cluster_unavailable`."""
+
+BATCH = 500
+"""Claims per script call in `sweep_worker` and `reassert` (one pipeline for all batches)."""
+
+
+def unavailable(error: BaseException) -> TetherError:
+    """The `cluster_unavailable` error for a failed Redis call (its cause is kept)."""
+    failure = TetherError("cluster_unavailable", f"Redis did not answer ({type(error).__name__})")
+    failure.__cause__ = error
+    return failure
+
+
+def text(value: Any) -> str | None:
+    """A reply as text: clients may or may not decode replies, so both are accepted."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
+
+
+# KEYS[1] the claim, KEYS[2] the worker's index; ARGV[1] the worker, ARGV[2] the session.
+# A claim key that is not a string answers '' (no worker), reported as a conflict.
+_CLAIM = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+  redis.call('SADD', KEYS[2], ARGV[2])
+  return ARGV[1]
+end
+local holder = redis.pcall('GET', KEYS[1])
+if type(holder) ~= 'string' then return '' end
+if holder == ARGV[1] then redis.call('SADD', KEYS[2], ARGV[2]) end
+return holder
+"""
+
+# Same keys and arguments as _CLAIM; answers 1 if the claim was this worker's and is gone.
+_RELEASE = """
+local released = 0
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  released = 1
+end
+redis.call('SREM', KEYS[2], ARGV[2])
+return released
+"""
+
+# KEYS[1] the worker's index, KEYS[2..] claims; ARGV[1] the worker, ARGV[2..] sessions.
+# Deletes the claims the worker still holds, drops them all from its index; answers how
+# many it deleted.
+_SWEEP = """
+local swept = 0
+for i = 2, #KEYS do
+  if redis.pcall('GET', KEYS[i]) == ARGV[1] then
+    redis.call('DEL', KEYS[i])
+    swept = swept + 1
+  end
+  redis.call('SREM', KEYS[1], ARGV[i])
+end
+return swept
+"""
+
+# Keys and arguments as _SWEEP. Claims each session for the worker unless another holds
+# it; answers {position, holder, ...} (position 1 is ARGV[2]) for those another holds.
+_REASSERT = """
+local taken = {}
+for i = 2, #KEYS do
+  local holder = ARGV[1]
+  if not redis.call('SET', KEYS[i], ARGV[1], 'NX') then
+    holder = redis.pcall('GET', KEYS[i])
+    if type(holder) ~= 'string' then holder = '' end
+  end
+  if holder == ARGV[1] then
+    redis.call('SADD', KEYS[1], ARGV[i])
+  else
+    taken[#taken + 1] = i - 1
+    taken[#taken + 1] = holder
+  end
+end
+return taken
+"""
+
+
+class RedisClaimStore:
+    """Claims in Redis, shared by every worker of every host of a service.
+
+    Takes any `redis.asyncio.Redis` client, with or without `decode_responses`: replies
+    are decoded here. A claim is one round trip (a script), a lookup one `GET`, a
+    release one script. Every Redis failure that means "not now" is raised as
+    `TetherError("cluster_unavailable")`; a claim key holding anything but a worker ID
+    is `TetherError("session_conflict")`, as a bad claim file is for `FileClaimStore`.
+    """
+
+    def __init__(self, client: redis.asyncio.Redis, service: str) -> None:
+        self.client = client
+        self.keys = ServiceKeys(service)
+        self._claim = client.register_script(_CLAIM)
+        self._release = client.register_script(_RELEASE)
+        self._sweep = client.register_script(_SWEEP)
+        self._reassert = client.register_script(_REASSERT)
+
+    async def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
+        keys = (self.keys.claim(session_id), self.keys.worker_claims(worker))
+        try:
+            holder = await self._claim(keys=keys, args=(worker, session_id))
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
+        return _holder(session_id, holder)
+
+    async def claimant(self, session_id: SessionId) -> WorkerId | None:
+        try:
+            holder = await self.client.get(self.keys.claim(session_id))
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
+        except redis.exceptions.ResponseError as error:  # WRONGTYPE: not a claim
+            raise TetherError(
+                "session_conflict", f"the claim of {session_id!r} holds no worker ID"
+            ) from error
+        return None if holder is None else _holder(session_id, holder)
+
+    async def release(self, session_id: SessionId, worker: WorkerId) -> None:
+        keys = (self.keys.claim(session_id), self.keys.worker_claims(worker))
+        try:
+            await self._release(keys=keys, args=(worker, session_id))
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
+
+    async def claims_of(self, worker: WorkerId) -> set[SessionId]:
+        """The sessions in `worker`'s index (what it claimed and has not released)."""
+        members = await self._members(worker)
+        found = {session_id_or_none(text(member)) for member in members}
+        return {session_id for session_id in found if session_id is not None}
+
+    async def sweep_worker(self, worker: WorkerId) -> int:
+        """Release every claim of a dead worker (owner-checked, so a session another
+        worker claimed since is kept) and empty its index; returns how many were released.
+        Any live host may call it once the close window after the worker's death passed."""
+        members = list(await self._members(worker))
+        replies = await self._batches(self._sweep, worker, members)
+        return sum(int(reply) for reply in replies)
+
+    async def reassert(
+        self, worker: WorkerId, session_ids: Iterable[SessionId]
+    ) -> dict[SessionId, WorkerId]:
+        """Claim again, for `worker`, sessions it holds in memory (after Redis came back
+        empty, or after a restore) and put them back in its index; returns those another
+        worker claimed meanwhile, with that worker. Every batch runs even if one session's
+        claim holds garbage; that is then raised as `session_conflict` at the end."""
+        ids = list(session_ids)
+        replies = await self._batches(self._reassert, worker, ids)
+        taken: dict[SessionId, WorkerId] = {}
+        garbage: list[SessionId] = []
+        for start, reply in zip(range(0, len(ids), BATCH), replies, strict=True):
+            for position, holder in zip(reply[::2], reply[1::2], strict=True):
+                session_id = ids[start + int(position) - 1]
+                owner = worker_id_or_none(text(holder))
+                if owner is None:
+                    garbage.append(session_id)
+                else:
+                    taken[session_id] = owner
+        if garbage:
+            raise TetherError(
+                "session_conflict",
+                f"the claims of {len(garbage)} sessions hold no worker ID, "
+                f"such as {garbage[0]!r}",
+            )
+        return taken
+
+    async def _members(self, worker: WorkerId) -> set[Any]:
+        try:
+            return await self.client.smembers(self.keys.worker_claims(worker))
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
+
+    async def _batches(
+        self, script: Any, worker: WorkerId, members: Sequence[Any]
+    ) -> list[Any]:
+        """Run `script` on `members` in batches of `BATCH`, all in one pipeline. Members
+        are passed back as Redis gave them (bytes or text), so a member that is not valid
+        UTF-8 still names its own key and leaves the index."""
+        if not members:
+            return []
+        index = self.keys.worker_claims(worker)
+        prefix = self.keys.claim(SessionId(""))
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for start in range(0, len(members), BATCH):
+                    batch = members[start : start + BATCH]
+                    keys = [index, *(_join(prefix, member) for member in batch)]
+                    await script(keys=keys, args=[worker, *batch], client=pipe)
+                return list(await pipe.execute())
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
+
+
+def _join(prefix: str, member: str | bytes) -> str | bytes:
+    return prefix.encode() + member if isinstance(member, bytes) else prefix + member
+
+
+def _holder(session_id: SessionId, value: Any) -> WorkerId:
+    holder = worker_id_or_none(text(value))
+    if holder is None:
+        raise TetherError("session_conflict", f"the claim of {session_id!r} holds no worker ID")
+    return holder

@@ -1,0 +1,483 @@
+"""Several hosts of one service sharing claims through Redis (SPEC 12): each host a real
+`tether serve` process group on its own loopback address, one real `redis-server` per
+test on a free port (never the machine's), every request on a new connection.
+
+Waiting for the hosts to know each other (`Cluster.meshed`) is part of each set-up: a
+host reads the others' records every quarter of the TTL, and until it has read a
+newcomer's, that newcomer's sessions answer a transient 503 (not what these tests are
+about).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from e2e.cluster_harness import (
+    REFRESH_S,
+    SERVICE,
+    TTL_S,
+    Cluster,
+    Host,
+    claim_key,
+    host_key,
+    write_hop_secret,
+)
+from e2e.conftest import Serve
+from e2e.harness import (
+    COUNTER_APP,
+    CounterSession,
+    Reply,
+    bounded,
+    eventually,
+    failed,
+    raw_exchange,
+    run_episode,
+    run_tether,
+)
+from e2e.redis_server import RedisServer, redis_server_or_skip
+from tether.routing.hopsign import WINDOW_S, sign
+
+pytestmark = pytest.mark.e2e
+
+ADDRESSES = {"h1": "127.0.0.2", "h2": "127.0.0.3", "h3": "127.0.0.4"}
+WORKERS = 2
+CONCURRENCY = 50
+SWEEP_MARGIN_S = 5.0
+"""A worker sweeps its expired claims every window/20 s (0.1 s for 2 s); the rest is
+slack for a loaded 2-core machine."""
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh, empty `redis-server` of this test alone (skipped if not installed,
+    failed under TETHER_REQUIRE_REDIS=1)."""
+    with redis_server_or_skip() as server:
+        yield server
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="tc-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def hop_secret(short_dir: Path) -> Path:
+    """The service's hop secret: 64 bytes, mode 0600."""
+    return write_hop_secret(short_dir)
+
+
+@pytest.fixture
+def hop_key(hop_secret: Path) -> bytes:
+    """The key hops are signed with: the file's content, whitespace stripped."""
+    return hop_secret.read_bytes().strip()
+
+
+@pytest.fixture
+async def cluster(
+    redis_server: RedisServer, hop_secret: Path, serve: Serve
+) -> AsyncIterator[Cluster]:
+    """Hosts started through `serve` (stopped and checked after the test, before the
+    Redis they use stops)."""
+    hosts = Cluster(serve, redis_server, hop_secret)
+    try:
+        yield hosts
+    finally:
+        await hosts.aclose()
+
+
+def start_hosts(cluster: Cluster, *extra: str) -> None:
+    for host_id, address in ADDRESSES.items():
+        cluster.start(host_id, address, WORKERS, *extra)
+
+
+def run_id() -> str:
+    return os.urandom(4).hex()
+
+
+# 1. Many sessions over three hosts ----------------------------------------------------
+
+SESSIONS = 1000
+SHORT_WINDOW_S = 2.0
+
+
+@pytest.mark.timeout(180)
+async def test_1000_sessions_on_3_hosts_of_2_workers_are_all_right_and_none_split(
+    cluster: Cluster,
+) -> None:
+    start_hosts(cluster, "--close-window", str(SHORT_WINDOW_S))
+    owners = await cluster.meshed(dict.fromkeys(ADDRESSES, WORKERS))
+    assert len(owners) == len(ADDRESSES) * WORKERS
+    spread = cluster.spread()
+    run = run_id()
+
+    # A session held open through the run: its claim is in Redis, and stays.
+    held = CounterSession(spread, f"held-{run}")  # type: ignore[arg-type]
+    assert (await held.seed()).status == 200
+    assert held.worker in owners
+    assert await cluster.claims() == {held.id: held.worker}
+
+    episodes = await bounded(
+        (run_episode(CounterSession(spread, f"m-{run}-{i}")) for i in range(SESSIONS)),  # type: ignore[arg-type]
+        limit=CONCURRENCY,
+    )
+
+    wrong = failed(episodes)
+    assert not wrong, f"{len(wrong)} of {SESSIONS} sessions went wrong, e.g. {wrong[:3]}"
+    split = [e for e in episodes if len(e.workers) != 1]
+    assert not split, f"sessions served by more than one worker: {split[:3]}"
+    strangers = [e for e in episodes if not e.workers <= owners.keys()]
+    assert not strangers, f"sessions served by a worker no host lists: {strangers[:3]}"
+    by_host = Counter(owners[worker] for e in episodes for worker in e.workers)
+    assert sum(by_host.values()) == SESSIONS
+    assert set(by_host) == set(ADDRESSES), f"hosts whose workers held no session: {by_host}"
+
+    count = await held.count()
+    assert count.status == 200, count
+    assert count.json == {"session_id": held.id, "count": 0, "worker": held.worker}
+    assert await cluster.redis.get(claim_key(held.id)) == held.worker, "an open claim ended"
+    assert (await held.close()).status == 200
+
+    # The claims of the closed sessions end a close window after their last request.
+    async def no_claims() -> bool:
+        return not await cluster.claims()
+
+    try:
+        await eventually(no_claims, SHORT_WINDOW_S + SWEEP_MARGIN_S, "no claim key is left")
+    except AssertionError:
+        left = await cluster.claims()
+        raise AssertionError(
+            f"{len(left)} claim keys left, e.g. {list(left.items())[:5]}"
+        ) from None
+    indexes = [key async for key in cluster.redis.scan_iter(match=f"tether:{SERVICE}:worker:*")]
+    sizes = {key: await cluster.redis.scard(key) for key in indexes}
+    assert not any(sizes.values()), f"per-worker claim indexes still name sessions: {sizes}"
+
+
+# 2. A host killed ---------------------------------------------------------------------
+
+KILL_WINDOW_S = 10.0
+"""Long enough to check every dead session's 410 before its claims are swept."""
+KILLED_SESSIONS = 300
+
+
+@pytest.mark.timeout(180)
+async def test_a_sigkilled_hosts_sessions_answer_410_elsewhere_and_others_stay_right(
+    cluster: Cluster,
+) -> None:
+    start_hosts(cluster, "--close-window", str(KILL_WINDOW_S))
+    owners = await cluster.meshed(dict.fromkeys(ADDRESSES, WORKERS))
+    run = run_id()
+    spread = cluster.spread()
+    sessions = [CounterSession(spread, f"k-{run}-{i}") for i in range(KILLED_SESSIONS)]  # type: ignore[arg-type]
+    seeds = await bounded((s.seed() for s in sessions), limit=CONCURRENCY)
+    assert all(r.status == 200 for r in seeds), [r for r in seeds if r.status != 200][:5]
+    firsts = await bounded((s.increment() for s in sessions), limit=CONCURRENCY)
+    assert all(r.status == 200 and r.json["count"] == 1 for r in firsts), [
+        r for r in firsts if r.status != 200 or r.json["count"] != 1
+    ][:5]
+
+    by_host: dict[str, list[CounterSession]] = defaultdict(list)
+    for session in sessions:
+        by_host[owners[str(session.worker)]].append(session)
+    assert set(by_host) == set(ADDRESSES), {h: len(s) for h, s in by_host.items()}
+    victim, *live = cluster.hosts[1], cluster.hosts[0], cluster.hosts[2]
+    doomed = by_host[victim.host_id]
+    survivors = [s for s in sessions if owners[str(s.worker)] != victim.host_id]
+    dead_workers = {w for w, h in owners.items() if h == victim.host_id}
+    assert await cluster.claims() == {s.id: s.worker for s in sessions}
+
+    os.killpg(victim.server.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    await victim.server.group_gone()
+
+    # Once its record has expired, every other host answers 410 for its sessions.
+    async def record_gone() -> bool:
+        return await cluster.redis.exists(host_key(victim.host_id)) == 0
+
+    await eventually(record_gone, TTL_S + SWEEP_MARGIN_S, "the killed host's record expires")
+    probes = list({s.worker: s for s in doomed}.values())  # one session per dead worker
+
+    async def gone_everywhere() -> bool:
+        for host in live:
+            for session in probes:
+                reply = await cluster.http(host).request(
+                    "POST", "/increment", cookie=session.cookie
+                )
+                if (reply.status, reply.code) != (410, "session_gone"):
+                    return False
+        return True
+
+    await eventually(gone_everywhere, 2 * REFRESH_S + SWEEP_MARGIN_S,
+                     "every live host answers 410 for the killed host's sessions", every=0.2)
+    gone = await bounded(
+        (
+            request
+            for session in doomed
+            for host in live
+            for request in (
+                session_on(cluster, host, session, "POST", "/increment"),
+                session_on(cluster, host, session, "GET", "/count"),
+                session_on(cluster, host, session, "POST", "/verify"),
+                session_on(cluster, host, session, "POST", "/close_session", body=True),
+                session_on(cluster, host, session, "POST", "/close_session", body=True,
+                           cookie=False),
+            )
+        ),
+        limit=CONCURRENCY,
+    )
+    wrong = [r for r in gone if (r.status, r.code) != (410, "session_gone")]
+    assert not wrong, f"{len(wrong)} of {len(gone)} requests were not 410: {wrong[:5]}"
+
+    # Every other session goes on, through the hosts that are left.
+    survivors = [rebind(s, cluster.spread(live)) for s in survivors]
+    seconds = await bounded((s.increment() for s in survivors), limit=CONCURRENCY)
+    wrong = [r for r in seconds if r.status != 200 or r.json["count"] != 2]
+    assert not wrong, f"{len(wrong)} of {len(survivors)} live sessions miscounted: {wrong[:5]}"
+    counts = await bounded((s.count() for s in survivors), limit=CONCURRENCY)
+    wrong = [
+        (s.id, r) for s, r in zip(survivors, counts, strict=True)
+        if r.status != 200 or r.json != {"session_id": s.id, "count": 2, "worker": s.worker}
+    ]
+    assert not wrong, f"{len(wrong)} of {len(survivors)} live sessions miscounted: {wrong[:5]}"
+
+    # A close window after they were seen dead, the dead workers' claims are swept; the
+    # live sessions' claims stay.
+    async def swept() -> bool:
+        return not dead_workers & set((await cluster.claims()).values())
+
+    deadline = killed_at + TTL_S + REFRESH_S + KILL_WINDOW_S + REFRESH_S + SWEEP_MARGIN_S
+    try:
+        await eventually(swept, max(deadline - time.monotonic(), 1.0),
+                         "no claim key names a dead worker")
+    except AssertionError:
+        left = {s: w for s, w in (await cluster.claims()).items() if w in dead_workers}
+        raise AssertionError(f"{len(left)} claims of dead workers left, e.g. "
+                             f"{list(left.items())[:3]}") from None
+    assert await cluster.claims() == {s.id: s.worker for s in survivors}
+
+
+def session_on(
+    cluster: Cluster, host: Host, session: CounterSession, method: str, path: str,
+    *, body: bool = False, cookie: bool = True,
+) -> Any:
+    """One request of `session` sent to `host` (a coroutine)."""
+    return cluster.http(host).request(
+        method,
+        path,
+        json={"session_id": session.id} if body else None,
+        cookie=session.cookie if cookie else None,
+    )
+
+
+def rebind(session: CounterSession, client: Any) -> CounterSession:
+    """The same session (ID, cookie, worker) sent through another client."""
+    moved = CounterSession(client, session.id)
+    moved.cookie, moved.worker = session.cookie, session.worker
+    return moved
+
+
+# 3. Forged hops -----------------------------------------------------------------------
+
+CALLER = "http 127.0.0.1 40000 127.0.0.2 8000 "
+"""The six caller fields a forwarder puts after the signature (an empty root path)."""
+
+
+async def test_hops_without_a_valid_signature_are_refused_401_and_nothing_is_served(
+    cluster: Cluster, hop_key: bytes
+) -> None:
+    host = cluster.start("h1", ADDRESSES["h1"], WORKERS)
+    await cluster.meshed({"h1": WORKERS})
+    http = cluster.http(host)
+    session = CounterSession(http, f"hop-{run_id()}")
+    assert (await session.seed()).status == 200
+    assert session.worker is not None and session.cookie is not None
+    record = await cluster.record("h1")
+    assert record is not None
+    worker = session.worker
+    (other,) = set(record["workers"]) - {worker}
+    hop_host, _, hop_port = record["workers"][worker].rpartition(":")
+    assert hop_host == ADDRESSES["h1"], record
+    secret = hop_key
+
+    async def increment_by_hop(hop: str | None) -> tuple[int, Any]:
+        lines = [
+            "POST /increment HTTP/1.1",
+            f"host: {hop_host}:{hop_port}",
+            f"cookie: {session.cookie}",
+            "content-length: 0",
+        ]
+        if hop is not None:
+            lines.append(f"x-tether-hop: {hop}")  # last, where a forwarder puts it
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        status, _, body = await raw_exchange(hop_host, int(hop_port), head, within=10)
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body
+
+    async def count() -> int:
+        reply = await session.count()
+        assert reply.status == 200, reply
+        value: int = reply.json["count"]
+        return value
+
+    now = time.time()
+    refused = {
+        "no hop header": None,
+        "caller fields but no signature": CALLER,
+        "a signature made with another secret": sign(
+            b"not-the-services-hop-secret-" * 3, "POST", "/increment", worker
+        ),
+        "a signature for another path": sign(secret, "GET", "/count", worker),
+        f"a signature older than {WINDOW_S:g} s": sign(
+            secret, "POST", "/increment", worker, now=now - WINDOW_S - 15
+        ),
+        "a signature for another worker": sign(secret, "POST", "/increment", other),
+    }
+    answers = {}
+    for what, signature in refused.items():
+        value = signature if signature is None or signature == CALLER else f"{signature} {CALLER}"
+        answers[what] = await increment_by_hop(value)
+    wrong = {what: a for what, a in answers.items() if not _hop_unauthorized(a)}
+    assert not wrong, f"hops served or refused otherwise than 401 hop_unauthorized: {wrong}"
+    assert await count() == 0, "a refused hop reached the app"
+
+    valid = f"{sign(secret, 'POST', '/increment', worker)} {CALLER}"
+    status, body = await increment_by_hop(valid)
+    assert status == 200, body
+    assert body == {"session_id": session.id, "count": 1, "worker": worker}
+
+    replayed = await increment_by_hop(valid)
+    assert _hop_unauthorized(replayed), f"a replayed hop: {replayed}"
+    assert await count() == 1, "a replayed hop reached the app"
+
+
+def _hop_unauthorized(answer: tuple[int, Any]) -> bool:
+    status, body = answer
+    return status == 401 and isinstance(body, dict) and body.get("code") == "hop_unauthorized"
+
+
+# 4. Start-up mistakes -----------------------------------------------------------------
+
+
+def one_line(result: subprocess.CompletedProcess[str], *words: str) -> str:
+    """The single stderr line of a failed start (one JSON object under --log-format
+    json, event `startup_failed`), checked to name `words`."""
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    record = json.loads(lines[0])
+    assert (record["event"], record["level"]) == ("startup_failed", "error"), record
+    line: str = record["message"]
+    assert line.startswith("tether serve: "), line
+    for word in words:
+        assert word in line, line
+    return line
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def serve_args(*args: str) -> list[str]:
+    return ["serve", COUNTER_APP, "--workers", str(WORKERS), "--port", "0",
+            "--log-format", "json", *args]
+
+
+Mistake = Callable[[str, Path], tuple[list[str], tuple[str, ...]]]
+"""Given the live Redis URL and a short directory: the flags, and words the line names."""
+
+
+def _service_alone(url: str, directory: Path) -> tuple[list[str], tuple[str, ...]]:
+    return ["--service", SERVICE], ("--service", "--cluster")
+
+
+def _no_hop_secret(url: str, directory: Path) -> tuple[list[str], tuple[str, ...]]:
+    flags = ["--cluster", url, "--service", SERVICE, "--advertise", "127.0.0.2",
+             "--host", "127.0.0.2", "--host-id", "h1"]
+    return flags, ("--cluster", "--hop-secret-file")
+
+
+def _secret_open_to_others(url: str, directory: Path) -> tuple[list[str], tuple[str, ...]]:
+    secret = write_hop_secret(directory, "open", mode=0o644)
+    flags = ["--cluster", url, "--service", SERVICE, "--advertise", "127.0.0.2",
+             "--host", "127.0.0.2", "--host-id", "h1", "--hop-secret-file", str(secret)]
+    return flags, ("--hop-secret-file", str(secret), "chmod 600")
+
+
+def _secret_too_short(url: str, directory: Path) -> tuple[list[str], tuple[str, ...]]:
+    secret = write_hop_secret(directory, "short", size=31)
+    flags = ["--cluster", url, "--service", SERVICE, "--advertise", "127.0.0.2",
+             "--host", "127.0.0.2", "--host-id", "h1", "--hop-secret-file", str(secret)]
+    return flags, ("--hop-secret-file", str(secret), "32")
+
+
+def _no_redis(url: str, directory: Path) -> tuple[list[str], tuple[str, ...]]:
+    secret = write_hop_secret(directory)
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    flags = ["--cluster", nowhere, "--service", SERVICE, "--advertise", "127.0.0.2",
+             "--host", "127.0.0.2", "--host-id", "h1", "--hop-secret-file", str(secret)]
+    return flags, ("--cluster", nowhere, "start Redis there")
+
+
+MISTAKES: dict[str, Mistake] = {
+    "service-without-cluster": _service_alone,
+    "cluster-without-hop-secret-file": _no_hop_secret,
+    "hop-secret-file-0644": _secret_open_to_others,
+    "hop-secret-file-under-32-bytes": _secret_too_short,
+    "cluster-where-no-redis-listens": _no_redis,
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES.values()), ids=list(MISTAKES))
+def test_cluster_start_up_mistakes_are_one_line(
+    mistake: Mistake, redis_server: RedisServer, short_dir: Path
+) -> None:
+    flags, words = mistake(redis_server.url, short_dir)
+    one_line(run_tether(*serve_args(*flags)), *words)
+    # Refused before joining: nothing of the host is left in the service's Redis.
+    with redis.Redis.from_url(redis_server.url) as client:
+        assert client.keys("*") == []
+
+
+async def test_a_second_host_with_a_live_hosts_id_is_refused_in_one_line(
+    cluster: Cluster,
+) -> None:
+    first = cluster.start("h1", ADDRESSES["h1"], WORKERS)
+    await cluster.meshed({"h1": WORKERS})
+    before = await cluster.record("h1")
+    assert before is not None
+
+    result = await asyncio.to_thread(
+        run_tether, *serve_args(*cluster.flags("h1", ADDRESSES["h2"]))
+    )
+    one_line(result, "'h1'", "--host-id")
+
+    # The live host keeps its record, its incarnation and its sessions.
+    assert await cluster.record("h1") == before
+    session = CounterSession(cluster.http(first), f"dup-{run_id()}")
+    seeded: Reply = await session.seed()
+    assert seeded.status == 200, seeded
+    assert session.worker in before["workers"]
+    assert await cluster.redis.get(claim_key(session.id)) == session.worker

@@ -1,0 +1,216 @@
+"""`RedisClaimStore` against a real redis-server: one claimant per session on any host,
+owner-checked releases, sweeps of dead workers and re-assertion after an empty restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio
+
+from e2e.redis_server import RedisServer
+from tests.cluster.conftest import Connect
+from tether.cluster.claims import BATCH, RedisClaimStore
+from tether.routing.claims import ClaimStore
+from tether.routing.errors import TetherError
+from tether.routing.types import SessionId, WorkerId, new_worker_id
+
+SERVICE = "svc"
+
+
+def ids(count: int, prefix: str = "s") -> list[SessionId]:
+    return [SessionId(f"{prefix}-{n}") for n in range(count)]
+
+
+async def commands(client: redis.asyncio.Redis) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT."""
+    stats = await client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+async def test_the_store_is_a_claim_store(connect: Connect) -> None:
+    store: ClaimStore = RedisClaimStore(connect(), SERVICE)  # what mypy checks
+    assert await store.claimant(SessionId("s")) is None
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["bytes", "text"])
+async def test_the_first_claim_wins_and_every_lookup_names_it(
+    connect: Connect, decode: bool
+) -> None:
+    a, b = new_worker_id(), new_worker_id()
+    store = RedisClaimStore(connect(decode=decode), SERVICE)
+    assert await store.claimant(SessionId("s")) is None
+    assert await store.claim(SessionId("s"), a) == a
+    assert await store.claim(SessionId("s"), b) == a
+    assert await store.claim(SessionId("s"), a) == a  # claiming again is harmless
+    assert await store.claimant(SessionId("s")) == a
+    assert await store.claims_of(a) == {"s"}
+    assert await store.claims_of(b) == set()
+
+
+async def test_a_claim_is_one_round_trip_and_a_lookup_one_get(connect: Connect) -> None:
+    client = connect()
+    store = RedisClaimStore(client, SERVICE)
+    worker = new_worker_id()
+    await store.claim(SessionId("warm-up"), worker)  # loads the script
+    await client.config_resetstat()
+    await store.claim(SessionId("s"), worker)
+    await store.claimant(SessionId("s"))
+    used = await commands(client)
+    used.pop("config|resetstat", None)
+    assert used == {"evalsha": 1, "get": 1, "set": 1, "sadd": 1}  # set, sadd: in the script
+
+
+async def test_two_workers_claiming_the_same_ids_at_once_have_one_winner_each(
+    connect: Connect,
+) -> None:
+    a, b = new_worker_id(), new_worker_id()
+    store_a = RedisClaimStore(connect(), SERVICE)  # two hosts: two clients
+    store_b = RedisClaimStore(connect(decode=True), SERVICE)
+    sessions = ids(300)
+    results = await asyncio.gather(
+        *(store.claim(sid, worker) for sid in sessions for store, worker in
+          ((store_a, a), (store_b, b)))
+    )
+    won: dict[WorkerId, set[SessionId]] = {a: set(), b: set()}
+    for sid, first, second in zip(sessions, results[::2], results[1::2], strict=True):
+        assert first == second, sid
+        assert await store_a.claimant(sid) == first
+        won[first].add(sid)
+    assert won[a] | won[b] == set(sessions)
+    assert await store_a.claims_of(a) == won[a]
+    assert await store_b.claims_of(b) == won[b]
+
+
+async def test_only_the_claimant_removes_its_claim(connect: Connect) -> None:
+    a, b = new_worker_id(), new_worker_id()
+    store = RedisClaimStore(connect(), SERVICE)
+    await store.claim(SessionId("s"), a)
+    await store.release(SessionId("s"), b)
+    assert await store.claimant(SessionId("s")) == a
+    await store.release(SessionId("s"), a)
+    assert await store.claimant(SessionId("s")) is None
+    assert await store.claims_of(a) == set()
+    await store.release(SessionId("s"), a)  # releasing again is harmless
+    assert await store.claim(SessionId("s"), b) == b
+
+
+async def test_services_do_not_share_claims(connect: Connect) -> None:
+    a, b = new_worker_id(), new_worker_id()
+    client = connect()
+    assert await RedisClaimStore(client, "one").claim(SessionId("s"), a) == a
+    assert await RedisClaimStore(client, "two").claim(SessionId("s"), b) == b
+
+
+async def test_a_dead_workers_claims_are_swept_and_only_its_own(connect: Connect) -> None:
+    client = connect()
+    dead, live = new_worker_id(), new_worker_id()
+    store = RedisClaimStore(client, SERVICE)
+    mine = ids(BATCH * 2 + 7, "dead")
+    await asyncio.gather(*(store.claim(sid, dead) for sid in mine))
+    theirs = ids(5, "live")
+    await asyncio.gather(*(store.claim(sid, live) for sid in theirs))
+    # A session the dead worker released that another claimed since, still in its index
+    # (as if the dead worker's release had been cut short).
+    moved = mine.pop()
+    await store.release(moved, dead)
+    await store.claim(moved, live)
+    await client.sadd(store.keys.worker_claims(dead), moved)
+
+    assert await store.sweep_worker(dead) == len(mine)
+
+    assert await client.mget([store.keys.claim(sid) for sid in mine]) == [None] * len(mine)
+    for sid in [*theirs, moved]:
+        assert await store.claimant(sid) == live
+    assert not await client.exists(store.keys.worker_claims(dead))
+    assert await store.claims_of(live) == {*theirs, moved}
+    assert await store.sweep_worker(dead) == 0
+
+
+async def test_reassert_after_an_empty_restart_restores_every_claim_and_reports_conflicts(
+    connect: Connect, redis_server: RedisServer
+) -> None:
+    a, b = new_worker_id(), new_worker_id()
+    store_a = RedisClaimStore(connect(), SERVICE)
+    store_b = RedisClaimStore(connect(decode=True), SERVICE)
+    held = ids(BATCH + 3)
+    await asyncio.gather(*(store_a.claim(sid, a) for sid in held))
+
+    redis_server.restart()
+    assert await store_a.claimant(held[0]) is None  # empty, and the client reconnected
+    taken = held[BATCH]  # in the second batch
+    assert await store_b.claim(taken, b) == b
+
+    assert await store_a.reassert(a, held) == {taken: b}
+
+    for sid in held:
+        assert await store_b.claimant(sid) == (b if sid == taken else a)
+    assert await store_a.claims_of(a) == set(held) - {taken}
+    assert await store_a.reassert(a, held) == {taken: b}  # again: nothing changes
+    assert await store_a.reassert(a, []) == {}
+
+
+async def test_reassert_restores_the_rest_before_reporting_a_garbage_claim(
+    connect: Connect,
+) -> None:
+    client = connect()
+    worker = new_worker_id()
+    store = RedisClaimStore(client, SERVICE)
+    await client.set(store.keys.claim(SessionId("bad")), "not a worker")
+    with pytest.raises(TetherError) as caught:
+        await store.reassert(worker, [SessionId("a"), SessionId("bad"), SessionId("b")])
+    assert caught.value.code == "session_conflict"
+    assert await store.claims_of(worker) == {"a", "b"}
+
+
+@pytest.mark.parametrize(
+    "garbage", ["not a worker", "A" * 32, "", b"\xff" * 32], ids=["text", "upper", "empty", "utf8"]
+)
+async def test_a_garbage_claim_value_is_a_conflict(connect: Connect, garbage: str | bytes) -> None:
+    client = connect()
+    store = RedisClaimStore(client, SERVICE)
+    await client.set(store.keys.claim(SessionId("s")), garbage)
+    for call in (store.claimant(SessionId("s")), store.claim(SessionId("s"), new_worker_id())):
+        with pytest.raises(TetherError) as caught:
+            await call
+        assert caught.value.code == "session_conflict"
+        assert caught.value.status == 409
+    await store.release(SessionId("s"), new_worker_id())
+    assert await client.get(store.keys.claim(SessionId("s"))) is not None  # kept
+
+
+async def test_a_claim_key_of_another_type_is_a_conflict(connect: Connect) -> None:
+    client = connect()
+    store = RedisClaimStore(client, SERVICE)
+    await client.sadd(store.keys.claim(SessionId("s")), "x")
+    for call in (store.claimant(SessionId("s")), store.claim(SessionId("s"), new_worker_id())):
+        with pytest.raises(TetherError) as caught:
+            await call
+        assert caught.value.code == "session_conflict"
+    await store.release(SessionId("s"), new_worker_id())  # not an error: nothing to release
+
+
+async def test_a_killed_redis_is_cluster_unavailable_not_a_traceback(
+    connect: Connect, redis_server: RedisServer
+) -> None:
+    worker = new_worker_id()
+    store = RedisClaimStore(connect(), SERVICE)
+    await store.claim(SessionId("s"), worker)
+    redis_server.kill()
+    calls = [
+        store.claim(SessionId("t"), worker),
+        store.claimant(SessionId("s")),
+        store.release(SessionId("s"), worker),
+        store.claims_of(worker),
+        store.sweep_worker(worker),
+        store.reassert(worker, [SessionId("s")]),
+    ]
+    for call in calls:
+        with pytest.raises(TetherError) as caught:
+            await call
+        assert caught.value.code == "cluster_unavailable"
+        assert caught.value.status == 503
+        assert ("retry-after", "1") in caught.value.headers()
+
+    redis_server.restart()
+    assert await store.claim(SessionId("s"), worker) == worker  # back, empty
