@@ -51,17 +51,22 @@ def text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-# KEYS[1] the claim, KEYS[2] the worker's index; ARGV[1] the worker, ARGV[2] the session.
-# A claim key that is not a string answers '' (no worker), reported as a conflict.
+# KEYS[1] the claim, KEYS[2] the worker's index, KEYS[3] the `trusted` marker; ARGV[1]
+# the worker, ARGV[2] the session, ARGV[3] '1' for an ID just minted here. Answers the
+# claimant; '' for a claim key that is not a string (reported as a conflict); 0, writing
+# nothing, for an ID a request named that nobody claims while the claims are not trusted
+# (it may be a session whose claim a Redis that came back empty lost).
 _CLAIM = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
-  redis.call('SADD', KEYS[2], ARGV[2])
-  return ARGV[1]
-end
 local holder = redis.pcall('GET', KEYS[1])
-if type(holder) ~= 'string' then return '' end
-if holder == ARGV[1] then redis.call('SADD', KEYS[2], ARGV[2]) end
-return holder
+if type(holder) == 'string' then
+  if holder == ARGV[1] then redis.call('SADD', KEYS[2], ARGV[2]) end
+  return holder
+end
+if type(holder) == 'table' then return '' end
+if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+return ARGV[1]
 """
 
 # Same keys and arguments as _CLAIM; answers 1 if the claim was this worker's and is gone.
@@ -111,35 +116,79 @@ return taken
 """
 
 
+# KEYS[1] the `trusted` marker, KEYS[2] `untrusted-since`; ARGV[1] the Redis run ID the
+# caller read, ARGV[2] the TTL in ms, ARGV[3] the round every live host says it
+# re-asserted its claims in ('' if not all have). Answers {1, ''} while the claims are
+# trusted under this run ID. Otherwise starts a round (`<run ID> <ms now>`) unless one of
+# this run ID is under way, and trusts the claims once every live host re-asserted in it
+# and a TTL passed since it started: by then every host that was live before Redis lost
+# its claims has either written its record again (re-asserting first) or let its lease
+# lapse, so it serves nothing. Answers {trusted, round}.
+_TRUST = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return {1, ''} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local round = redis.call('GET', KEYS[2])
+local prefix = ARGV[1] .. ' '
+if not round or string.sub(round, 1, #prefix) ~= prefix then
+  round = prefix .. now
+  redis.call('SET', KEYS[2], round)
+  redis.call('DEL', KEYS[1])
+  return {0, round}
+end
+local started = tonumber(string.sub(round, #prefix + 1)) or now
+if ARGV[3] == round and now - started >= tonumber(ARGV[2]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return {1, round}
+end
+return {0, round}
+"""
+
+CLAIMS_UNTRUSTED = (
+    "Redis lost its claims (it came back empty or failed over); the hosts are "
+    "re-asserting theirs"
+)
+
+
 class RedisClaimStore:
     """Claims in Redis, shared by every worker of every host of a service.
 
     Takes any `redis.asyncio.Redis` client, with or without `decode_responses`: replies
-    are decoded here. A claim is one round trip (a script), a lookup one `GET`, a
-    release one script. Every Redis failure that means "not now" is raised as
-    `TetherError("cluster_unavailable")`; a claim key holding anything but a worker ID
-    is `TetherError("session_conflict")`, as a bad claim file is for `FileClaimStore`.
+    are decoded here. A claim and a release are one round trip each (a script), a lookup
+    one `GET` (and an `EXISTS` when it finds nothing). While the claims are not trusted
+    (`trust`), an ID nobody claims answers `cluster_unavailable` unless it was just
+    minted. Every Redis failure that means
+    "not now" is raised as `TetherError("cluster_unavailable")`; a claim key holding
+    anything but a worker ID is `TetherError("session_conflict")`, as a bad claim file is
+    for `FileClaimStore`.
     """
 
     def __init__(self, client: redis.asyncio.Redis, service: str) -> None:
         self.client = client
         self.keys = ServiceKeys(service)
         self._claim = client.register_script(_CLAIM)
+        self._trust = client.register_script(_TRUST)
         self._release = client.register_script(_RELEASE)
         self._sweep = client.register_script(_SWEEP)
         self._reassert = client.register_script(_REASSERT)
 
-    async def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
-        keys = (self.keys.claim(session_id), self.keys.worker_claims(worker))
+    async def claim(
+        self, session_id: SessionId, worker: WorkerId, *, fresh: bool = False
+    ) -> WorkerId:
+        keys = (self.keys.claim(session_id), self.keys.worker_claims(worker), self.keys.trusted)
         try:
-            holder = await self._claim(keys=keys, args=(worker, session_id))
+            holder = await self._claim(keys=keys, args=(worker, session_id, "1" if fresh else ""))
         except UNAVAILABLE as error:
             raise unavailable(error) from error
         return _holder(session_id, holder)
 
     async def claimant(self, session_id: SessionId) -> WorkerId | None:
+        """One `GET`; a miss costs an `EXISTS` of the trust marker more (a miss read
+        from a Redis that lost its claims is not an answer)."""
         try:
             holder = await self.client.get(self.keys.claim(session_id))
+            if holder is None and not await self.client.exists(self.keys.trusted):
+                raise TetherError("cluster_unavailable", CLAIMS_UNTRUSTED)
         except UNAVAILABLE as error:
             raise unavailable(error) from error
         except redis.exceptions.ResponseError as error:  # WRONGTYPE: not a claim
@@ -147,6 +196,16 @@ class RedisClaimStore:
                 "session_conflict", f"the claim of {session_id!r} holds no worker ID"
             ) from error
         return None if holder is None else _holder(session_id, holder)
+
+    async def trust(self, run_id: str, ttl_ms: int, asserted_by_all: str) -> tuple[bool, str]:
+        """Whether a lookup that finds no claim may be trusted under Redis run `run_id`,
+        and the re-assertion round under way if not (see `_TRUST`)."""
+        keys = (self.keys.trusted, self.keys.untrusted_since)
+        try:
+            trusted, round_ = await self._trust(keys=keys, args=(run_id, ttl_ms, asserted_by_all))
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
+        return int(trusted) == 1, text(round_) or ""
 
     async def release(self, session_id: SessionId, worker: WorkerId) -> None:
         keys = (self.keys.claim(session_id), self.keys.worker_claims(worker))
@@ -228,6 +287,8 @@ def _join(prefix: str, member: str | bytes) -> str | bytes:
 
 
 def _holder(session_id: SessionId, value: Any) -> WorkerId:
+    if isinstance(value, int):
+        raise TetherError("cluster_unavailable", CLAIMS_UNTRUSTED)
     holder = worker_id_or_none(text(value))
     if holder is None:
         raise TetherError("session_conflict", f"the claim of {session_id!r} holds no worker ID")

@@ -54,6 +54,12 @@ class ServiceKeys:
         self._host = f"{self.prefix}host:"
         self.hosts = f"{self.prefix}hosts"
         """The set of host IDs that published a record (pruned when records expire)."""
+        self.trusted = f"{self.prefix}trusted"
+        """Exists (holding the Redis run ID) once the claims are known complete: until
+        then a lookup that finds no claim cannot tell a new session from a lost claim."""
+        self.untrusted_since = f"{self.prefix}untrusted-since"
+        """`<run ID> <ms>`: when this Redis was first seen without `trusted` (names the
+        re-assertion round every host takes part in)."""
 
     def claim(self, session_id: SessionId) -> str:
         """The claim of one session: holds the claimant's worker ID."""

@@ -39,6 +39,11 @@ Clock = Callable[[], float]
 
 DEFAULT_TTL_S = 10.0
 MAX_ADDRESS_LENGTH = 262  # a 255-byte host name, a colon, a port
+MAX_ROUND_LENGTH = 80  # a 40-character run ID, a space, milliseconds
+LEASE_MARGIN = 0.2
+"""Of the TTL: a host stops serving this much before its record may expire, for the
+time a write takes to land and for clocks that run at slightly different rates."""
+_FIELDS = {"host_id", "epoch", "workers"}
 
 
 class ClusterError(RuntimeError):
@@ -60,11 +65,13 @@ def address_or_none(value: Any) -> str | None:
 
 @dataclass(frozen=True)
 class HostRecord:
-    """One host's entry in the live set: its incarnation and its workers' hop addresses."""
+    """One host's entry in the live set: its incarnation, its workers' hop addresses, and
+    the last re-assertion round (`RedisClaimStore.trust`) it re-asserted its claims in."""
 
     host_id: str
     epoch: int
     workers: Mapping[WorkerId, str] = field(default_factory=dict)
+    asserted: str = ""
 
     def __post_init__(self) -> None:
         # A read-only copy, so a record stays what was written or read.
@@ -72,7 +79,8 @@ class HostRecord:
 
     def encode(self) -> str:
         """The record as compact JSON (what the host key holds)."""
-        body = {"host_id": self.host_id, "epoch": self.epoch, "workers": dict(self.workers)}
+        body = {"host_id": self.host_id, "epoch": self.epoch, "workers": dict(self.workers),
+                "asserted": self.asserted}
         return json.dumps(body, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -82,9 +90,12 @@ class HostRecord:
             body = json.loads(data)
         except (ValueError, TypeError):
             return None
-        if not isinstance(body, dict) or set(body) != {"host_id", "epoch", "workers"}:
+        if not isinstance(body, dict) or not _FIELDS <= set(body) <= {*_FIELDS, "asserted"}:
             return None
         host_id, epoch, workers = body["host_id"], body["epoch"], body["workers"]
+        asserted = body.get("asserted", "")
+        if not isinstance(asserted, str) or len(asserted) > MAX_ROUND_LENGTH:
+            return None
         if name_problem(host_id) is not None:
             return None
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
@@ -97,7 +108,7 @@ class HostRecord:
             if worker_id is None or hop is None:
                 return None
             checked[worker_id] = hop
-        return cls(host_id, epoch, checked)
+        return cls(host_id, epoch, checked, asserted)
 
 
 class LiveWorker(NamedTuple):
@@ -121,10 +132,12 @@ return epoch
 """
 
 # Keys as _JOIN; ARGV[1] the record, ARGV[2] its epoch, ARGV[3] TTL in ms, ARGV[4] the
-# host ID. Answers 0 without writing if a newer epoch started, the key holds another
-# epoch, or the key is gone while the counter still names this epoch (the record
-# expired: other hosts may have seen this incarnation dead). A counter that is gone too
-# means Redis came back empty: then the record and the counter are written again.
+# host ID, ARGV[5] '1' while the host's lease holds by its own clock. Answers 0 without
+# writing if a newer epoch started, the key holds another epoch, or the key is gone while
+# the counter still names this epoch (the record expired: other hosts may have seen this
+# incarnation dead). A counter that is gone too means Redis came back empty: then the
+# record and the counter are written again, if the lease still holds (else the host may
+# have been seen dead before Redis went away).
 _PUBLISH = """
 local epoch = tonumber(ARGV[2])
 local newest = tonumber(redis.pcall('GET', KEYS[2]))
@@ -133,7 +146,7 @@ local current = redis.pcall('GET', KEYS[1])
 if current then
   local ok, record = pcall(cjson.decode, current)
   if not ok or type(record) ~= 'table' or record['epoch'] ~= epoch then return 0 end
-elseif newest then
+elseif newest or ARGV[5] ~= '1' then
   return 0
 end
 if not newest or newest < epoch then redis.call('SET', KEYS[2], ARGV[2]) end
@@ -233,21 +246,22 @@ class LiveSet:
         self.last_good_write_started = started
         return epoch
 
-    async def publish(self, workers: Mapping[WorkerId, str]) -> bool:
+    async def publish(self, workers: Mapping[WorkerId, str], asserted: str = "") -> bool:
         """Write this host's record (its workers and their hop addresses) with the TTL.
         Returns False, writing nothing, once this incarnation is over: a newer epoch of
-        the host ID started, or its record may have expired (other hosts may have seen
-        its workers dead), by this host's clock or in Redis. It must then join again."""
+        the host ID started, or its record expired (other hosts may have seen its workers
+        dead). It must then join again. A record still there never expired, so a host
+        whose own clock says its lease lapsed (it was paused, its loop stalled) goes on
+        when Redis still holds it."""
         if self.epoch is None:
             raise RuntimeError("publish before join")
-        if not self.lease_valid(0.0):
-            return False
-        record = HostRecord(self.host_id, self.epoch, workers).encode()
+        leased = "1" if self.lease_valid(0.0) else ""
+        record = HostRecord(self.host_id, self.epoch, workers, asserted).encode()
         keys = (self._host_key, self.keys.epoch(self.host_id), self.keys.hosts)
         started = self.clock()
         try:
             written = await self._publish(
-                keys=keys, args=(record, self.epoch, self.ttl_ms, self.host_id)
+                keys=keys, args=(record, self.epoch, self.ttl_ms, self.host_id, leased)
             )
         except UNAVAILABLE as error:
             raise unavailable(error) from error
@@ -256,6 +270,13 @@ class LiveSet:
             return False
         self.last_good_write_started = started
         return True
+
+    def lease_until(self) -> float:
+        """Until when, on the monotonic clock, this host may serve sessions: the TTL less
+        `LEASE_MARGIN` after the last good write started (0 when there is none)."""
+        if self.last_good_write_started is None:
+            return 0.0
+        return self.last_good_write_started + self.ttl_s * (1 - LEASE_MARGIN)
 
     def lease_valid(self, margin_s: float) -> bool:
         """Whether this host's record surely still exists: less than the TTL minus
@@ -329,6 +350,8 @@ class LiveView:
     workers: Mapping[WorkerId, LiveWorker]
     run_id: str
     fenced: bool
+    asserted: Mapping[str, str] = field(default_factory=dict)
+    """Each live host's last re-assertion round (`HostRecord.asserted`)."""
 
     @classmethod
     def of(cls, records: Mapping[str, HostRecord], run_id: str, fenced: bool) -> LiveView:
@@ -338,7 +361,13 @@ class LiveView:
             for record in records.values()
             for worker, address in record.workers.items()
         }
-        return cls(MappingProxyType(workers), run_id, fenced)
+        asserted = {host_id: record.asserted for host_id, record in records.items()}
+        return cls(MappingProxyType(workers), run_id, fenced, MappingProxyType(asserted))
+
+    def round_asserted_by_all(self) -> str:
+        """The re-assertion round every live host says it took part in, or ''."""
+        rounds = set(self.asserted.values())
+        return rounds.pop() if len(rounds) == 1 else ""
 
 
 OnChange = Callable[[LiveView], Awaitable[None]]
@@ -360,12 +389,15 @@ class Refresher:
         on_change: OnChange,
         *,
         interval_s: float | None = None,
-        after_round: Callable[[], Awaitable[None]] | None = None,
+        after_round: Callable[[LiveView], Awaitable[None]] | None = None,
+        asserted: Callable[[], str] = lambda: "",
     ) -> None:
-        """`after_round`: awaited after every round that reached Redis (what is due on a
-        clock rather than on a change: sweeps)."""
+        """`after_round`: awaited with the view after every round that reached Redis
+        (what is due on a clock rather than on a change: sweeps, the lease pushed on);
+        `asserted`: the re-assertion round this host last took part in."""
         self.live = live
         self.workers = workers
+        self.asserted = asserted
         self.on_change = on_change
         self.after_round = after_round
         self.interval_s = live.ttl_s / 4 if interval_s is None else interval_s
@@ -404,15 +436,17 @@ class Refresher:
             log.error("live_set_refresher_failed", error=repr(task.exception()))
 
     async def refresh(self) -> LiveView:
-        """One round: publish, read, and report a changed view; returns the view."""
+        """One round: publish, read, and report a changed view; returns the view. The run
+        ID is read after the write, so a write that reached a Redis that came back empty
+        is seen to have in the same round."""
+        fenced = not await self.live.publish(self.workers(), self.asserted())
         run_id = await self.live.run_id()
-        fenced = not await self.live.publish(self.workers())
         view = LiveView.of(await self.live.read(), run_id, fenced)
         if view != self.view:
             await self.on_change(view)
             self.view = view  # only once delivered: a failed push is tried again
         if self.after_round is not None:
-            await self.after_round()
+            await self.after_round(view)
         return view
 
     async def _run(self) -> None:

@@ -16,7 +16,7 @@ import structlog
 
 from tether.cluster.claims import RedisClaimStore
 from tether.cluster.client import redis_client
-from tether.cluster.liveset import LiveSet, LiveView, Refresher
+from tether.cluster.liveset import ClusterError, LiveSet, LiveView, Refresher
 from tether.routing.errors import TetherError
 from tether.routing.types import WorkerId
 
@@ -36,7 +36,9 @@ class ClusterSettings:
 
 class ClusterMember:
     """Keeps this host in the live set, tells the coordinator when the service-wide live
-    set changed, and sweeps dead workers' claims after the close window."""
+    set or this host's lease changed, sweeps dead workers' claims after the close window,
+    has the workers re-assert their claims when Redis lost them, and restarts the
+    workers under a new epoch once this host was fenced out (SPEC 12)."""
 
     def __init__(
         self,
@@ -45,26 +47,47 @@ class ClusterMember:
         changed: Callable[[], Awaitable[None]],
         close_window_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        restart_workers: Callable[[], Awaitable[None]] | None = None,
+        reassert_claims: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """`local`: this host's live workers and their hop addresses; `changed`: awaited
-        when `remote` or `dead` changed."""
+        when `remote`, `dead` or `lease_until` changed; `restart_workers`: replaces every
+        worker by a new one (their claims are void); `reassert_claims`: has every worker
+        write its claims into Redis again (raises if one could not)."""
         self.settings = settings
         self.local = local
         self.changed = changed
         self.close_window_s = close_window_s
         self.clock = clock
+        self.restart_workers = restart_workers
+        self.reassert_claims = reassert_claims
         self.client = redis_client(settings.url)
         self.live = LiveSet(self.client, settings.service, settings.host_id,
                             ttl_s=settings.ttl_s, clock=clock)
         self.claims = RedisClaimStore(self.client, settings.service)
-        self.refresher = Refresher(self.live, self.local, self._seen, after_round=self._sweep)
+        self.refresher = Refresher(self.live, self.local, self._seen,
+                                   after_round=self._after_round, asserted=lambda: self.asserted)
         self.remote: dict[WorkerId, str] = {}
         """Every other host's live workers, and where each takes forwarded requests."""
         self.dead: list[WorkerId] = []
         """Workers once live, now in no host's record: their sessions answer 410."""
+        self.asserted = ""
+        """The re-assertion round (`RedisClaimStore.trust`) this host's workers last
+        wrote their claims in."""
+        self.fenced = False
+        """This incarnation is over: its workers are being replaced and it joins again."""
+        self._pushed_lease = 0.0
+        self._trusted_run: str | None = None
+        """The Redis run ID under which the claims (and so the records) were last seen
+        trusted."""
         self._died_at: dict[WorkerId, float] = {}
         self._known: set[WorkerId] = set()
         self._swept: set[WorkerId] = set()
+
+    def lease_until(self) -> float:
+        """Until when this host's workers may serve sessions (monotonic clock)."""
+        return 0.0 if self.fenced else self.live.lease_until()
 
     async def join(self) -> int:
         """Join the service under a new epoch and start refreshing; a second live host
@@ -92,35 +115,106 @@ class ClusterMember:
         """Write this host's record now (a worker registered or left), so other hosts find
         a newcomer before it claims anything; a failure is logged and the refresher's
         next round writes it again."""
+        if self.fenced:
+            return  # the next round joins again, then writes the record
         try:
-            taken = await self.live.publish(self.local())
+            taken = await self.live.publish(self.local(), self.asserted)
         except TetherError as error:
             log.warning("cluster_publish_failed", detail=error.detail)
             return
         if not taken:
-            log.error("cluster_fenced", host_id=self.settings.host_id, epoch=self.live.epoch)
+            log.warning("cluster_publish_refused", host_id=self.settings.host_id,
+                        epoch=self.live.epoch)
         self.refresher.refresh_soon()
 
     async def _seen(self, view: LiveView) -> None:
-        """A refresh saw a new view: take it, sweep what is due, tell the workers."""
-        if view.fenced:
-            log.error("cluster_fenced", host_id=self.settings.host_id, epoch=self.live.epoch)
+        """A refresh saw a new view: take it and tell the workers."""
+        if view.fenced and not self.fenced:
+            await self._fence()
+        await self._take(view)
+
+    async def _take(self, view: LiveView) -> None:
+        """Take the other hosts' workers from `view`. A worker that vanished from it is
+        dead only if the claims are trusted under the view's Redis run: a Redis that
+        came back empty lost every record too, and until the hosts have written theirs
+        again their workers are not known to be live (503), not dead (410)."""
         local = self.local()
         remote = {
             worker: f"tcp://{live.address}"
             for worker, live in view.workers.items()
             if live.host_id != self.settings.host_id and worker not in local
         }
-        now = self.clock()
-        for worker in self._known - remote.keys() - local.keys():
-            self._died_at.setdefault(worker, now)
+        if self._trusted_run == view.run_id:
+            now = self.clock()
+            for worker in self._known - remote.keys() - local.keys():
+                self._died_at.setdefault(worker, now)
+            self._known = set(remote) | set(local)
+        else:
+            self._known |= set(remote) | set(local)
         for worker in remote:
             self._died_at.pop(worker, None)  # listed again (a record read late)
-        self._known = set(remote) | set(local)
         dead = sorted(self._died_at)
         if (remote, dead) != (self.remote, self.dead):
             self.remote, self.dead = remote, dead
             await self.changed()
+
+    async def _fence(self) -> None:
+        """This incarnation is over (its record expired or a newer one started): other
+        hosts may have seen its workers dead and swept their claims, so every worker is
+        replaced, with nothing, before this host joins again."""
+        self.fenced = True
+        log.error("cluster_fenced", host_id=self.settings.host_id, epoch=self.live.epoch)
+        await self.changed()  # the workers learn at once that their lease is over
+        if self.restart_workers is not None:
+            await self.restart_workers()
+
+    async def _after_round(self, view: LiveView) -> None:
+        """What a round that reached Redis is followed by: joining again once fenced,
+        the sweep of dead workers' claims, the claims' trust, the lease pushed on."""
+        if self.fenced:
+            await self._join_again()
+            return
+        await self._sweep()
+        await self._keep_claims_trusted(view)
+        lease = self.lease_until()
+        if lease != self._pushed_lease:
+            self._pushed_lease = lease
+            await self.changed()
+
+    async def _join_again(self) -> None:
+        """Start a new incarnation once the workers were replaced; tried every round until
+        it succeeds (a host of this ID that is live meanwhile is logged, not fought)."""
+        try:
+            epoch = await self.live.join()
+        except ClusterError as error:
+            log.error("cluster_join_refused", detail=str(error))
+            return
+        self.fenced = False
+        log.info("cluster_joined", service=self.settings.service,
+                 host_id=self.settings.host_id, epoch=epoch, restarted=True)
+        self.refresher.refresh_soon()
+
+    async def _keep_claims_trusted(self, view: LiveView) -> None:
+        """While Redis lost its claims (it came back empty, or failed over), a lookup that
+        finds none is refused; this host's workers write theirs again, once per
+        re-assertion round, and the claims are trusted again once every live host has."""
+        trusted, round_ = await self.claims.trust(
+            view.run_id, self.live.ttl_ms, view.round_asserted_by_all()
+        )
+        if trusted:
+            if self._trusted_run != view.run_id:
+                self._trusted_run = view.run_id
+                await self._take(view)  # whoever is still missing is dead now
+            return
+        self._trusted_run = None
+        if round_ == self.asserted:
+            return
+        log.warning("claims_untrusted", round=round_)
+        if self.reassert_claims is not None:
+            await self.reassert_claims()
+        self.asserted = round_
+        log.info("claims_reasserted", round=round_)
+        self.refresher.refresh_soon()  # the record says so at once
 
     async def _sweep(self) -> None:
         """Release the claims of workers dead for longer than the close window (any host

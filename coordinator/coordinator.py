@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("tether.coordinator")
 
 BROADCAST_TIMEOUT_S = 2.0
+REASSERT_TIMEOUT_S = 10.0
+"""A worker's re-assertion of its claims: a pipeline of one script per 500 claims."""
+RESTART_TIMEOUT_S = 10.0
+"""How long a fenced host waits for its killed workers' channels to close."""
 CONTROL_CALLS = frozenset(
     {"prepare", "commit", "resume", "renew", "restore", "abort_restore", "retire", "forget"}
 )
@@ -66,6 +70,8 @@ class Coordinator:
         """This host's membership in a service of several hosts (SPEC 12), or None."""
         self.on_startup_failed: Callable[[str], None] = lambda problem: None
         """Called with the one line a worker that cannot start reports."""
+        self.kill_workers: Callable[[], Awaitable[None]] | None = None
+        """Kills every worker process and waits for them to exit (they are replaced)."""
         self._changed = asyncio.Condition()
 
     @property
@@ -194,7 +200,40 @@ class Coordinator:
         if self.cluster is None:
             return {"live": self.live}
         remote = self.cluster.remote
-        return {"live": [*self.live, *remote], "addresses": remote, "dead": self.cluster.dead}
+        return {
+            "live": [*self.live, *remote],
+            "addresses": remote,
+            "dead": self.cluster.dead,
+            "lease_until": self.cluster.lease_until(),
+        }
+
+    async def restart_workers(self) -> None:
+        """Replace every worker by a new, empty one (a fenced host: its workers' claims
+        are void) and wait until the old ones left the live set."""
+        old = set(self.links)
+        if self.kill_workers is not None:
+            await self.kill_workers()
+        try:
+            async with asyncio.timeout(RESTART_TIMEOUT_S), self._changed:
+                await self._changed.wait_for(lambda: not old & set(self.links))
+        except TimeoutError:
+            log.error("workers_not_restarted", left=sorted(old & set(self.links)))
+
+    async def reassert_claims(self) -> None:
+        """Have every worker write its claims into the cluster's Redis again; raises
+        `TetherError` if one could not (the next round asks again)."""
+        links = list(self.links.values())
+        calls = [
+            link.channel.request("reassert", {}, timeout=REASSERT_TIMEOUT_S) for link in links
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [link.worker for link, result in zip(links, results, strict=True)
+                  if isinstance(result, Exception) and not isinstance(result, ChannelLost)]
+        for link, result in zip(links, results, strict=True):
+            if isinstance(result, dict) and result.get("taken"):
+                log.error("claims_taken_meanwhile", worker_id=link.worker, taken=result["taken"])
+        if failed:
+            raise TetherError("cluster_unavailable", f"workers {failed} did not re-assert")
 
     async def broadcast_live(self) -> None:
         """Tell every worker the live set (the cluster's view changed)."""

@@ -219,6 +219,8 @@ async def _join_cluster(
         local=coordinator.hop_addresses,
         changed=coordinator.broadcast_live,
         close_window_s=options.close_window_s or DEFAULT_CLOSE_WINDOW_S,
+        restart_workers=coordinator.restart_workers,
+        reassert_claims=coordinator.reassert_claims,
     )
     try:
         epoch = await member.join()
@@ -348,6 +350,7 @@ async def _serve(
         stop_timeout_s=options.timeout_graceful_shutdown + STOP_MARGIN_S,
         on_exit=None if app_metrics is None else partial(mark_worker_dead, app_metrics),
     )
+    coordinator.kill_workers = supervisor.kill_all
     metrics = Metrics(
         coordinator, restarts=lambda: supervisor.restarts, app_metrics_dir=app_metrics
     )

@@ -88,6 +88,16 @@ class Supervisor:
         self.restarts += 1
         await self._spawn()
 
+    async def kill_all(self) -> None:
+        """SIGKILL every worker and wait until each exited; each is replaced by a new
+        process, as any worker that exits is (a fenced host: nothing is worth finishing)."""
+        procs = list(self._procs.values())
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        log.warning("workers_killed", pids=[proc.pid for proc in procs])
+        await asyncio.gather(*(proc.wait() for proc in procs))
+
     async def stop(self) -> None:
         """SIGTERM every worker (in-flight requests finish), SIGKILL any still alive later."""
         self._stopping = True

@@ -113,6 +113,7 @@ class TetherWorker:
 
             self._redis = redis_client(cluster["url"])
             store = RedisClaimStore(self._redis, cluster["service"])
+        self._cluster_store = store
         self.routing = RoutingWorker(
             app,
             kind=kind,
@@ -128,6 +129,8 @@ class TetherWorker:
             ),
         )
         self.participant.worker = self.routing.id
+        if cluster is not None and self.routing.claims is not None:
+            self.routing.claims.lease_until = 0.0  # nothing is provable before the welcome
         self.reports = ReadinessReporter(self.participant, self._send_report)
         self.server: uvicorn.Server | None = None
         self.channel: Channel | None = None
@@ -236,6 +239,8 @@ class TetherWorker:
         if kind == "live":
             self._apply_live(body)
             return None
+        if kind == "reassert":
+            return await self._reassert()
         if kind in _PARTICIPANT_CALLS:
             return await worker_call(kind, self.id, self._participant_call(kind, body))
         if kind == "metrics" and isinstance(body, dict) and body.get("counts_only"):
@@ -354,6 +359,18 @@ class TetherWorker:
             {WorkerId(w): str(a) for w, a in addresses.items()} if addresses else None,
             None if dead is None else [WorkerId(w) for w in dead],
         )
+        lease = body.get("lease_until")
+        if isinstance(lease, int | float) and self.routing.claims is not None:
+            self.routing.claims.lease_until = float(lease)
+
+    async def _reassert(self) -> dict[str, Any]:
+        """Write this worker's claims into the cluster's Redis again (it lost them)."""
+        claims, store = self.routing.claims, self._cluster_store
+        if claims is None or store is None:
+            raise TetherError("invalid_request", "only a worker of a cluster re-asserts claims")
+        taken = await claims.reassert(store.reassert)
+        log.info("claims_reasserted", claims=len(claims), taken=len(taken))
+        return {"claims": len(claims), "taken": len(taken)}
 
     async def _relay(self, call: str, body: Any) -> Any:
         """A control call, answered by the coordinator. It waits as long as the call's own

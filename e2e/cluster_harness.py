@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from e2e.conftest import Serve
 from e2e.harness import COUNTER_APP, Http, Reply, Server, eventually
@@ -47,6 +50,10 @@ def write_hop_secret(directory: Path, name: str = "hop-secret", *, size: int = S
 
 def host_key(host_id: str, service: str = SERVICE) -> str:
     return f"tether:{service}:host:{host_id}"
+
+
+def trusted_key(service: str = SERVICE) -> str:
+    return f"tether:{service}:trusted"
 
 
 def claim_key(session_id: str, service: str = SERVICE) -> str:
@@ -89,7 +96,11 @@ class Cluster:
         self.hop_secret = hop_secret
         self.service = service
         self.hosts: list[Host] = []
-        self.redis = redis.asyncio.Redis.from_url(redis_server.url, decode_responses=True)
+        # Retried once: a pooled connection is closed by a Redis the test restarted.
+        self.redis = redis.asyncio.Redis.from_url(
+            redis_server.url, decode_responses=True, retry=Retry(NoBackoff(), 1),
+            retry_on_error=[redis.exceptions.ConnectionError],
+        )
         self._clients: dict[str, Http] = {}
 
     def flags(self, host_id: str, address: str) -> list[str]:
@@ -160,7 +171,7 @@ class Cluster:
             batch = keys[start : start + 1000]
             for key, value in zip(batch, await self.redis.mget(batch), strict=True):
                 if value is not None:
-                    found[key.removeprefix(prefix)] = value
+                    found[key.removeprefix(prefix)] = str(value)
         return found
 
     # Waiting --------------------------------------------------------------------------
@@ -194,5 +205,16 @@ class Cluster:
             return True
 
         await eventually(reached, within, "every host reaches every worker", every=0.2)
+        await self.trusted(within)
         return owners
+
+    async def trusted(self, within: float = MESH_TIMEOUT_S) -> None:
+        """Wait until the hosts trust the claims in Redis: until then a session ID a
+        client names that nobody claims answers 503 (a fresh Redis looks like one that
+        lost every claim; the hosts wait a TTL out, re-asserting theirs)."""
+
+        async def marked() -> bool:
+            return bool(await self.redis.exists(trusted_key(self.service)))
+
+        await eventually(marked, within, "the hosts trust the claims", every=0.2)
 

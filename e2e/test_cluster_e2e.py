@@ -481,3 +481,147 @@ async def test_a_second_host_with_a_live_hosts_id_is_refused_in_one_line(
     assert seeded.status == 200, seeded
     assert session.worker in before["workers"]
     assert await cluster.redis.get(claim_key(session.id)) == session.worker
+
+
+# 5. A host paused past its TTL ---------------------------------------------------------
+
+PAUSE_WINDOW_S = 2.0
+
+
+@pytest.mark.timeout(150)
+async def test_a_host_paused_past_its_ttl_never_serves_a_session_another_host_took(
+    cluster: Cluster,
+) -> None:
+    paused = cluster.start("h1", ADDRESSES["h1"], 1, "--close-window", str(PAUSE_WINDOW_S))
+    taker = cluster.start("h2", ADDRESSES["h2"], 1, "--close-window", str(PAUSE_WINDOW_S))
+    await cluster.meshed({"h1": 1, "h2": 1})
+    first_epoch = (await cluster.record("h1") or {})["epoch"]
+    session = CounterSession(cluster.http(paused), f"pause-{run_id()}")
+    assert (await session.seed()).status == 200
+    for _ in range(3):
+        assert (await session.increment()).status == 200
+    old_worker, old_cookie = session.worker, session.cookie
+
+    os.killpg(paused.server.pid, signal.SIGSTOP)
+    try:
+        # Its record expires; the other host answers 410, sweeps the claim a window
+        # later, and then the session's ID is free: the other host takes it, new.
+        async def record_gone() -> bool:
+            return await cluster.redis.exists(host_key("h1")) == 0
+
+        await eventually(record_gone, TTL_S + SWEEP_MARGIN_S, "the paused host's record expires")
+        # Nothing is sent to the other host before it has read that: a request it would
+        # forward to the paused host meanwhile waits for the pause to end.
+        await asyncio.sleep(REFRESH_S + 1.0)
+        retaken = CounterSession(cluster.http(taker), session.id)
+
+        async def taken() -> bool:
+            return (await retaken.seed()).status == 200
+
+        await eventually(taken, 2 * REFRESH_S + PAUSE_WINDOW_S + SWEEP_MARGIN_S,
+                         "the other host takes the session once its claim is swept", every=0.2)
+        assert retaken.worker != old_worker
+        assert (await retaken.increment()).json["count"] == 1
+    finally:
+        os.killpg(paused.server.pid, signal.SIGCONT)
+
+    # Resumed, the paused host refuses the session (it cannot prove it holds it) until
+    # it has restarted its workers; then it forwards to the host that took it.
+    replies: list[Reply] = []
+    stale = []
+    until = time.monotonic() + REFRESH_S * 2
+    while time.monotonic() < until:
+        for cookie in (old_cookie, retaken.cookie):
+            reply = await cluster.http(paused).request("GET", "/count", cookie=cookie)
+            replies.append(reply)
+            if reply.status == 200 and reply.json.get("worker") != retaken.worker:
+                stale.append(reply)
+    assert not stale, f"the resumed host served its old copy of the session: {stale[:3]}"
+    wrong = [r for r in replies if r.status != 200 and (r.status, r.code) != (
+        503, "cluster_unavailable")]
+    assert not wrong, f"neither the new holder's answer nor 503: {wrong[:3]}"
+    assert all(r.headers.get("retry-after") for r in replies if r.status == 503)
+
+    async def rejoined() -> dict[str, Any] | None:
+        record = await cluster.record("h1")
+        ok = record is not None and record["epoch"] > first_epoch and len(record["workers"]) == 1
+        return record if ok else None
+
+    record = await eventually(rejoined, TTL_S, "the paused host joins under a new epoch")
+    assert old_worker not in record["workers"], "the paused host kept its fenced worker"
+    await cluster.meshed({"h1": 1, "h2": 1})
+    reply = await cluster.http(paused).request("GET", "/count", cookie=retaken.cookie)
+    assert reply.status == 200 and reply.json == {
+        "session_id": session.id, "count": 1, "worker": retaken.worker
+    }, reply
+    events = [r.get("event") for r in paused.server.logs()]
+    assert "cluster_fenced" in events and "workers_killed" in events
+
+
+# 6. Losing Redis ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+async def test_redis_killed_then_restarted_empty_loses_no_session_and_splits_none(
+    cluster: Cluster,
+) -> None:
+    hosts = [cluster.start(h, ADDRESSES[h], 1) for h in ("h1", "h2")]
+    await cluster.meshed({"h1": 1, "h2": 1})
+    run = run_id()
+    sessions = {
+        host.host_id: [CounterSession(cluster.http(host), f"r-{run}-{host.host_id}-{i}")
+                       for i in range(10)]
+        for host in hosts
+    }
+    everyone = [s for held in sessions.values() for s in held]
+    seeded = await bounded((s.seed() for s in everyone), limit=CONCURRENCY)
+    assert all(r.status == 200 for r in seeded), seeded
+    counts = dict.fromkeys((s.id for s in everyone), 0)
+
+    cluster.redis_server.kill()
+    # Each host's own sessions are served (one worker each holds them all); a session
+    # of the other host needs a lookup, which is 503 with Retry-After.
+    for host in hosts:
+        for session in sessions[host.host_id]:
+            reply = await session.increment()
+            assert reply.status == 200, reply
+            counts[session.id] += 1
+    other = {"h1": hosts[1], "h2": hosts[0]}
+    for host_id, held in sessions.items():
+        reply = await cluster.http(other[host_id]).request(
+            "POST", "/increment", cookie=held[0].cookie
+        )
+        assert (reply.status, reply.code) == (503, "cluster_unavailable"), reply
+        assert reply.headers.get("retry-after"), reply
+
+    cluster.redis_server.restart()  # empty, well within the hosts' lease
+    # Until every host has re-asserted its claims, a session nobody claims is refused,
+    # never taken for a new one: then every session is reachable from every host.
+    stale: list[Reply] = []
+
+    async def reachable_everywhere() -> bool:
+        for host_id, held in sessions.items():
+            for session in held:
+                reply = await cluster.http(other[host_id]).request(
+                    "GET", "/count", cookie=session.cookie
+                )
+                if reply.status == 200 and reply.json != {
+                    "session_id": session.id, "count": counts[session.id],
+                    "worker": session.worker,
+                }:
+                    stale.append(reply)
+                if reply.status != 200:
+                    # Redis answers again, but without its claims (re-asserted, not yet
+                    # trusted) or without the other host's record (not yet written).
+                    assert reply.status == 503 and reply.code in (
+                        "cluster_unavailable", "claimant_unavailable"), reply
+                    return False
+        return True
+
+    await eventually(reachable_everywhere, TTL_S + 4 * REFRESH_S + SWEEP_MARGIN_S,
+                     "every session is reachable from every host again", every=0.5)
+    assert not stale, f"a session answered from another copy: {stale[:3]}"
+    for session in everyone:
+        reply = await session.increment()
+        assert reply.status == 200 and reply.json["worker"] == session.worker, reply
+    assert await cluster.claims() == {s.id: s.worker for s in everyone}

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from tether.routing.errors import TetherError
@@ -20,6 +21,7 @@ from tether.routing.lifetimes import Lifetimes, Role
 from tether.routing.types import SessionId, WorkerId, worker_id_or_none
 
 Clock = Callable[[], float]
+Reassert = Callable[[WorkerId, list[SessionId]], Awaitable[dict[SessionId, WorkerId]]]
 
 
 class ClaimStore(Protocol):
@@ -28,8 +30,11 @@ class ClaimStore(Protocol):
     Asynchronous because a shared engine answers over the network; the embedded file
     store answers inline, so awaiting it never suspends."""
 
-    async def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
-        """Claim the ID for `worker` unless another worker has; return the claimant."""
+    async def claim(
+        self, session_id: SessionId, worker: WorkerId, *, fresh: bool = False
+    ) -> WorkerId:
+        """Claim the ID for `worker` unless another worker has; return the claimant.
+        `fresh`: the ID was just minted here, so nobody can have held it before."""
         ...
 
     async def claimant(self, session_id: SessionId) -> WorkerId | None:
@@ -66,7 +71,9 @@ class FileClaimStore:
         digest = hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
         return os.path.join(self.directory, digest)
 
-    async def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
+    async def claim(
+        self, session_id: SessionId, worker: WorkerId, *, fresh: bool = False
+    ) -> WorkerId:
         path = self._path(session_id)
         temp = f"{path}.{secrets.token_hex(4)}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -112,9 +119,19 @@ class FileClaimStore:
                 os.unlink(self._path(session_id))
 
 
+LEASE_LAPSED = (
+    "this host's lease on the cluster's live set lapsed; it restarts its workers once "
+    "Redis answers"
+)
+
+
 class WorkerClaims:
     """One worker's claims: held in memory, never released while a request is in progress,
-    released by `sweep` once their lifetime says so."""
+    released by `sweep` once their lifetime says so.
+
+    On a cluster they hold only while this host's lease does (`lease_until`, on the
+    host's monotonic clock, pushed by its coordinator): past it, other hosts may have
+    seen this worker dead, so no claim is used, made or looked up (SPEC 12)."""
 
     def __init__(
         self,
@@ -129,6 +146,16 @@ class WorkerClaims:
         self.clock = clock
         self._mine: set[SessionId] = set()
         self._serving: dict[SessionId, int] = {}
+        self.lease_until = math.inf
+        """Until when this worker may use its claims (a cluster's host sets it)."""
+
+    def leased(self) -> bool:
+        """Whether this worker may serve sessions now (always, on one host)."""
+        return self.clock() < self.lease_until
+
+    def _check_lease(self) -> None:
+        if not self.leased():
+            raise TetherError("cluster_unavailable", LEASE_LAPSED)
 
     def __len__(self) -> int:
         return len(self._mine)
@@ -138,18 +165,31 @@ class WorkerClaims:
 
     async def lookup(self, session_id: SessionId) -> WorkerId | None:
         """The claimant: this worker from memory, else the store."""
+        self._check_lease()
         if session_id in self._mine:
             return self.worker
         return await self.store.claimant(session_id)
 
-    async def claim(self, session_id: SessionId) -> WorkerId:
-        """Claim the ID for this worker unless another has; return the claimant."""
+    async def claim(self, session_id: SessionId, *, fresh: bool = False) -> WorkerId:
+        """Claim the ID for this worker unless another has; return the claimant.
+        `fresh`: the ID was just minted here (by tether or by the app)."""
+        self._check_lease()
         if session_id in self._mine:
             return self.worker
-        owner = await self.store.claim(session_id, self.worker)
+        owner = await self.store.claim(session_id, self.worker, fresh=fresh)
         if owner == self.worker:
             self._mine.add(session_id)
         return owner
+
+    async def reassert(self, reassert: Reassert) -> dict[SessionId, WorkerId]:
+        """Write every claim held in memory into the store again (a cluster's Redis came
+        back without them); those another worker claimed meanwhile are no longer this
+        worker's and are returned with their claimant."""
+        taken = await reassert(self.worker, sorted(self._mine))
+        for session_id in taken:
+            self._mine.discard(session_id)
+            self.lifetimes.forget(session_id)
+        return taken
 
     def begin(self, session_id: SessionId) -> None:
         """A request for the session starts being served here."""

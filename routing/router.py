@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tether.routing.claims import WorkerClaims
+from tether.routing.claims import LEASE_LAPSED, WorkerClaims
 from tether.routing.errors import TetherError, send_error
 from tether.routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
 from tether.routing.hop import hop_value, strip_hop, take_hop
@@ -249,6 +249,8 @@ class Router:
         """Where a request or a WebSocket handshake goes (SPEC 4.2): None to serve it
         here, the live worker to forward it to, or the error that refuses it. The one
         place a routing decision is made."""
+        if session_id is not None and self.claims is not None and not self.claims.leased():
+            return TetherError("cluster_unavailable", LEASE_LAPSED)  # forwarded or not
         if forwarded:
             return None
         if session_id is None:
@@ -411,7 +413,7 @@ class Router:
             placed = self.tables.placed.get(session_id) == self.worker
             if role == "start" or request in kind.close_routes or placed:
                 try:
-                    owner = await claims.claim(session_id)
+                    owner = await claims.claim(session_id, fresh=minted)
                 except TetherError as error:  # the cluster's store is out of reach
                     await self._refuse(send, error)
                     return
@@ -531,14 +533,14 @@ class _Served:
         if rotated is not None and self.minted:
             evidence = False
         if sid is not None and claims is not None and evidence and not claims.mine(sid):
-            owner = await claims.claim(sid)
+            owner = await claims.claim(sid, fresh=self.minted)
             if owner != router.worker:
                 await _release(kind, sid)
                 if rotated is not None:
                     await _release(kind, rotated)
                 return _conflict(sid, owner)
         if rotated is not None and claims is not None:
-            owner = await claims.claim(rotated)
+            owner = await claims.claim(rotated, fresh=True)
             if owner != router.worker:
                 await _release(kind, rotated)
                 return _conflict(rotated, owner)
@@ -550,7 +552,7 @@ class _Served:
                 named = _header(message, kind.reply_header.encode())
                 reply_id = session_id_or_none(named) or reply_id
             if reply_id is not None and reply_id != sid and not claims.mine(reply_id):
-                owner = await claims.claim(reply_id)
+                owner = await claims.claim(reply_id, fresh=True)  # the app named it
                 if owner != router.worker:
                     await _release(kind, reply_id)
                     return _conflict(reply_id, owner)

@@ -453,9 +453,11 @@ class _CountingStore:
         self.store = store
         self.calls = 0
 
-    async def claim(self, session_id: SessionId, worker: WorkerId) -> WorkerId:
+    async def claim(
+        self, session_id: SessionId, worker: WorkerId, *, fresh: bool = False
+    ) -> WorkerId:
         self.calls += 1
-        return await self.store.claim(session_id, worker)
+        return await self.store.claim(session_id, worker, fresh=fresh)
 
     async def claimant(self, session_id: SessionId) -> WorkerId | None:
         self.calls += 1
@@ -612,7 +614,8 @@ def code_version() -> dict[str, Any]:
     changed = git("status", "--porcelain", "--", "routing", "coordinator", "examples")
     return {
         "commit": git("rev-parse", "HEAD") or None,
-        "modified": [line[3:] for line in changed.splitlines()],
+        # `--porcelain` lines are `XY path`; the strip above may have eaten a leading X.
+        "modified": [line.lstrip().split(" ", 1)[-1] for line in changed.splitlines()],
     }
 
 

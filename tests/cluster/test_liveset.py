@@ -353,17 +353,31 @@ async def test_the_refresher_keeps_going_while_redis_is_down_and_reports_the_new
     assert failed[0]["log_level"] == "warning"
 
 
-async def test_the_refresher_reports_an_incarnation_whose_lease_lapsed(
+async def test_a_host_paused_past_its_lease_whose_record_is_still_there_goes_on(
     connect: Connect,
 ) -> None:
     clock = Clock()
     live = LiveSet(connect(), SERVICE, "host-a", ttl_s=10.0, clock=clock)
+    await live.join()
+    clock.now += 10.0  # by its own clock the lease lapsed, but Redis kept the record
+    assert live.lease_until() < clock.now
+    assert await live.publish({})  # it never expired, so nobody saw this host dead
+    assert live.lease_until() == clock.now + 8.0
+
+
+async def test_the_refresher_reports_an_incarnation_whose_lease_lapsed(
+    connect: Connect,
+) -> None:
+    clock = Clock()
+    client = connect()
+    live = LiveSet(client, SERVICE, "host-a", ttl_s=10.0, clock=clock)
     await live.join()
     views = Views()
     refresher = Refresher(live, dict, views, interval_s=0.05)
     view = await refresher.refresh()
     assert not view.fenced
     clock.now += 10.0  # as if the host was paused past its TTL
+    await client.delete(ServiceKeys(SERVICE).host("host-a"))  # expired, by Redis's clock
     refresher.start()
     try:
         await eventually(lambda: views.last.fenced, what="the lapse is reported")

@@ -22,6 +22,17 @@ def ids(count: int, prefix: str = "s") -> list[SessionId]:
     return [SessionId(f"{prefix}-{n}") for n in range(count)]
 
 
+async def trusting(store: RedisClaimStore) -> RedisClaimStore:
+    """The store, its claims trusted the way the hosts trust them: a round is started,
+    every host (here: none but this one) re-asserted in it, and the TTL (0) passed."""
+    run_id = str((await store.client.info("server"))["run_id"])
+    trusted, round_ = await store.trust(run_id, 0, "")
+    if not trusted:
+        assert round_.startswith(f"{run_id} ")
+        assert await store.trust(run_id, 0, round_) == (True, round_)
+    return store
+
+
 async def commands(client: redis.asyncio.Redis) -> dict[str, int]:
     """Calls per command since the last CONFIG RESETSTAT."""
     stats = await client.info("commandstats")
@@ -29,7 +40,7 @@ async def commands(client: redis.asyncio.Redis) -> dict[str, int]:
 
 
 async def test_the_store_is_a_claim_store(connect: Connect) -> None:
-    store: ClaimStore = RedisClaimStore(connect(), SERVICE)  # what mypy checks
+    store: ClaimStore = await trusting(RedisClaimStore(connect(), SERVICE))  # mypy checks
     assert await store.claimant(SessionId("s")) is None
 
 
@@ -38,7 +49,7 @@ async def test_the_first_claim_wins_and_every_lookup_names_it(
     connect: Connect, decode: bool
 ) -> None:
     a, b = new_worker_id(), new_worker_id()
-    store = RedisClaimStore(connect(decode=decode), SERVICE)
+    store = await trusting(RedisClaimStore(connect(decode=decode), SERVICE))
     assert await store.claimant(SessionId("s")) is None
     assert await store.claim(SessionId("s"), a) == a
     assert await store.claim(SessionId("s"), b) == a
@@ -50,23 +61,25 @@ async def test_the_first_claim_wins_and_every_lookup_names_it(
 
 async def test_a_claim_is_one_round_trip_and_a_lookup_one_get(connect: Connect) -> None:
     client = connect()
-    store = RedisClaimStore(client, SERVICE)
+    store = await trusting(RedisClaimStore(client, SERVICE))
     worker = new_worker_id()
-    await store.claim(SessionId("warm-up"), worker)  # loads the script
+    await store.claim(SessionId("warm-up"), worker)  # loads the scripts
+    await store.claimant(SessionId("warm-up"))
     await client.config_resetstat()
     await store.claim(SessionId("s"), worker)
     await store.claimant(SessionId("s"))
     used = await commands(client)
     used.pop("config|resetstat", None)
-    assert used == {"evalsha": 1, "get": 1, "set": 1, "sadd": 1}  # set, sadd: in the script
+    # The claim: one script (get, exists, set, sadd inside it); the lookup: one get.
+    assert used == {"evalsha": 1, "get": 2, "exists": 1, "set": 1, "sadd": 1}
 
 
 async def test_two_workers_claiming_the_same_ids_at_once_have_one_winner_each(
     connect: Connect,
 ) -> None:
     a, b = new_worker_id(), new_worker_id()
-    store_a = RedisClaimStore(connect(), SERVICE)  # two hosts: two clients
-    store_b = RedisClaimStore(connect(decode=True), SERVICE)
+    store_a = await trusting(RedisClaimStore(connect(), SERVICE))  # two hosts: two clients
+    store_b = await trusting(RedisClaimStore(connect(decode=True), SERVICE))
     sessions = ids(300)
     results = await asyncio.gather(
         *(store.claim(sid, worker) for sid in sessions for store, worker in
@@ -84,7 +97,7 @@ async def test_two_workers_claiming_the_same_ids_at_once_have_one_winner_each(
 
 async def test_only_the_claimant_removes_its_claim(connect: Connect) -> None:
     a, b = new_worker_id(), new_worker_id()
-    store = RedisClaimStore(connect(), SERVICE)
+    store = await trusting(RedisClaimStore(connect(), SERVICE))
     await store.claim(SessionId("s"), a)
     await store.release(SessionId("s"), b)
     assert await store.claimant(SessionId("s")) == a
@@ -98,14 +111,16 @@ async def test_only_the_claimant_removes_its_claim(connect: Connect) -> None:
 async def test_services_do_not_share_claims(connect: Connect) -> None:
     a, b = new_worker_id(), new_worker_id()
     client = connect()
-    assert await RedisClaimStore(client, "one").claim(SessionId("s"), a) == a
-    assert await RedisClaimStore(client, "two").claim(SessionId("s"), b) == b
+    one = await trusting(RedisClaimStore(client, "one"))
+    two = await trusting(RedisClaimStore(client, "two"))
+    assert await one.claim(SessionId("s"), a) == a
+    assert await two.claim(SessionId("s"), b) == b
 
 
 async def test_a_dead_workers_claims_are_swept_and_only_its_own(connect: Connect) -> None:
     client = connect()
     dead, live = new_worker_id(), new_worker_id()
-    store = RedisClaimStore(client, SERVICE)
+    store = await trusting(RedisClaimStore(client, SERVICE))
     mine = ids(BATCH * 2 + 7, "dead")
     await asyncio.gather(*(store.claim(sid, dead) for sid in mine))
     theirs = ids(5, "live")
@@ -131,18 +146,18 @@ async def test_reassert_after_an_empty_restart_restores_every_claim_and_reports_
     connect: Connect, redis_server: RedisServer
 ) -> None:
     a, b = new_worker_id(), new_worker_id()
-    store_a = RedisClaimStore(connect(), SERVICE)
-    store_b = RedisClaimStore(connect(decode=True), SERVICE)
+    store_a = await trusting(RedisClaimStore(connect(), SERVICE))
+    store_b = await trusting(RedisClaimStore(connect(decode=True), SERVICE))
     held = ids(BATCH + 3)
     await asyncio.gather(*(store_a.claim(sid, a) for sid in held))
 
     redis_server.restart()
-    assert await store_a.claimant(held[0]) is None  # empty, and the client reconnected
     taken = held[BATCH]  # in the second batch
-    assert await store_b.claim(taken, b) == b
+    assert await store_b.claim(taken, b, fresh=True) == b  # as if minted there meanwhile
 
     assert await store_a.reassert(a, held) == {taken: b}
 
+    await trusting(store_a)
     for sid in held:
         assert await store_b.claimant(sid) == (b if sid == taken else a)
     assert await store_a.claims_of(a) == set(held) - {taken}
@@ -155,7 +170,7 @@ async def test_reassert_restores_the_rest_before_reporting_a_garbage_claim(
 ) -> None:
     client = connect()
     worker = new_worker_id()
-    store = RedisClaimStore(client, SERVICE)
+    store = await trusting(RedisClaimStore(client, SERVICE))
     await client.set(store.keys.claim(SessionId("bad")), "not a worker")
     with pytest.raises(TetherError) as caught:
         await store.reassert(worker, [SessionId("a"), SessionId("bad"), SessionId("b")])
@@ -168,7 +183,7 @@ async def test_reassert_restores_the_rest_before_reporting_a_garbage_claim(
 )
 async def test_a_garbage_claim_value_is_a_conflict(connect: Connect, garbage: str | bytes) -> None:
     client = connect()
-    store = RedisClaimStore(client, SERVICE)
+    store = await trusting(RedisClaimStore(client, SERVICE))
     await client.set(store.keys.claim(SessionId("s")), garbage)
     for call in (store.claimant(SessionId("s")), store.claim(SessionId("s"), new_worker_id())):
         with pytest.raises(TetherError) as caught:
@@ -181,7 +196,7 @@ async def test_a_garbage_claim_value_is_a_conflict(connect: Connect, garbage: st
 
 async def test_a_claim_key_of_another_type_is_a_conflict(connect: Connect) -> None:
     client = connect()
-    store = RedisClaimStore(client, SERVICE)
+    store = await trusting(RedisClaimStore(client, SERVICE))
     await client.sadd(store.keys.claim(SessionId("s")), "x")
     for call in (store.claimant(SessionId("s")), store.claim(SessionId("s"), new_worker_id())):
         with pytest.raises(TetherError) as caught:
@@ -194,7 +209,7 @@ async def test_a_killed_redis_is_cluster_unavailable_not_a_traceback(
     connect: Connect, redis_server: RedisServer
 ) -> None:
     worker = new_worker_id()
-    store = RedisClaimStore(connect(), SERVICE)
+    store = await trusting(RedisClaimStore(connect(), SERVICE))
     await store.claim(SessionId("s"), worker)
     redis_server.kill()
     calls = [
@@ -213,4 +228,57 @@ async def test_a_killed_redis_is_cluster_unavailable_not_a_traceback(
         assert ("retry-after", "1") in caught.value.headers()
 
     redis_server.restart()
-    assert await store.claim(SessionId("s"), worker) == worker  # back, empty
+    assert await store.claim(SessionId("t"), worker, fresh=True) == worker  # back, empty
+
+
+async def test_until_the_claims_are_trusted_an_unclaimed_id_is_refused_unless_just_minted(
+    connect: Connect, redis_server: RedisServer
+) -> None:
+    client = connect()
+    a, b = new_worker_id(), new_worker_id()
+    store = await trusting(RedisClaimStore(client, SERVICE))
+    await store.claim(SessionId("held"), a)
+    redis_server.restart()  # empty: the claim and the trust are gone
+
+    for call in (store.claimant(SessionId("held")), store.claim(SessionId("held"), b)):
+        with pytest.raises(TetherError) as caught:
+            await call
+        assert caught.value.code == "cluster_unavailable"
+        assert "re-asserting" in caught.value.detail
+    assert await client.exists(store.keys.claim(SessionId("held"))) == 0  # nothing written
+    assert await store.claim(SessionId("minted"), b, fresh=True) == b
+    assert await store.claimant(SessionId("minted")) == b  # a claim found is an answer
+
+    assert await store.reassert(a, [SessionId("held")]) == {}
+    await trusting(store)
+    assert await store.claimant(SessionId("held")) == a
+    assert await store.claimant(SessionId("new")) is None
+    assert await store.claim(SessionId("new"), b) == b
+
+
+async def test_the_claims_are_trusted_once_every_host_asserted_and_a_ttl_passed(
+    connect: Connect,
+) -> None:
+    client = connect()
+    store = RedisClaimStore(client, SERVICE)
+    run_id = str((await client.info("server"))["run_id"])
+    trusted, round_ = await store.trust(run_id, 300, "")
+    assert not trusted
+    assert await store.trust(run_id, 300, "") == (False, round_)  # the same round goes on
+    assert await store.trust(run_id, 300, round_) == (False, round_)  # a TTL has not passed
+    assert await client.exists(store.keys.trusted) == 0
+    await asyncio.sleep(0.35)
+    assert await store.trust(run_id, 300, "") == (False, round_)  # not every host asserted
+    assert await store.trust(run_id, 300, round_) == (True, round_)
+    assert await store.trust(run_id, 300, "") == (True, "")
+
+
+async def test_a_new_redis_run_id_takes_the_trust_back(connect: Connect) -> None:
+    """A failover keeps the keys it replicated, `trusted` among them, but may have lost
+    the newest claims: a host that reads another run ID starts a new round."""
+    store = await trusting(RedisClaimStore(connect(), SERVICE))
+    trusted, round_ = await store.trust("another-run-id", 0, "")
+    assert not trusted and round_.startswith("another-run-id ")
+    with pytest.raises(TetherError) as caught:
+        await store.claimant(SessionId("nobody"))
+    assert caught.value.code == "cluster_unavailable"
