@@ -67,6 +67,7 @@ __all__ = [
     "FAULT_POINTS",
     "FORMAT",
     "MANIFEST_NAME",
+    "PARTICIPANT_NAME",
     "Checkpoint",
     "ManifestFields",
     "ManifestSegment",
@@ -97,6 +98,10 @@ FAULT_POINTS = ("after_segments", "after_manifest", "before_checkpoint_rename")
 # Manifests and CHECKPOINT.json are small; anything bigger is not one of ours.
 _MAX_JSON_BYTES = 64 * 1024 * 1024
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+PARTICIPANT_NAME = re.compile(
+    r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(@[A-Za-z0-9][A-Za-z0-9._-]{0,62})?"
+)
+"""A name, or a cluster host's `<service>@<host_id>`."""
 _HEX_DIGEST = re.compile(r"[0-9a-f]+")
 # Readers need these keys and ignore any others, in every JSON object of the format.
 _SEGMENT_KEYS = frozenset({"file", "bytes", "records", "digest", "worker"})
@@ -148,9 +153,9 @@ def validate_checkpoint_id(value: object) -> str:
 
 def validate_participant(value: object) -> str:
     """`value` if it is a valid participant name (a directory name), else ValueError."""
-    if isinstance(value, str) and _NAME.fullmatch(value):
+    if isinstance(value, str) and PARTICIPANT_NAME.fullmatch(value):
         return value
-    raise ValueError(f"bad participant name {value!r}: must match {_NAME.pattern}")
+    raise ValueError(f"bad participant name {value!r}: must match {PARTICIPANT_NAME.pattern}")
 
 
 def _fault(point: str) -> None:
@@ -562,7 +567,7 @@ def _participants_problem(participants: Any) -> str | None:
             not isinstance(item, dict)
             or not item.keys() >= _PARTICIPANT_KEYS
             or not isinstance(item["name"], str)
-            or not _NAME.fullmatch(item["name"])
+            or not PARTICIPANT_NAME.fullmatch(item["name"])
             or not isinstance(item["url"], str)
             or not isinstance(item["manifest_digest"], str)
             or len(item["manifest_digest"]) != DIGEST_HEX_LENGTH["sha256"]

@@ -116,6 +116,31 @@ return taken
 """
 
 
+# KEYS[1] the worker's index, KEYS[2..] claims; ARGV[1] the worker, then per claim its
+# session and the worker that held it when the checkpoint was taken ('' for none).
+# Claims each session for the worker unless a worker other than that one holds it;
+# answers {position, holder, ...} (position 1 is the first session) for those.
+_TAKE_OVER = """
+local taken = {}
+for i = 2, #KEYS do
+  local session, before = ARGV[2 * i - 2], ARGV[2 * i - 1]
+  local holder = redis.pcall('GET', KEYS[i])
+  if type(holder) ~= 'string' or holder == ARGV[1] or holder == before then
+    if type(holder) == 'table' then
+      taken[#taken + 1] = i - 1
+      taken[#taken + 1] = ''
+    else
+      redis.call('SET', KEYS[i], ARGV[1])
+      redis.call('SADD', KEYS[1], session)
+    end
+  else
+    taken[#taken + 1] = i - 1
+    taken[#taken + 1] = holder
+  end
+end
+return taken
+"""
+
 # KEYS[1] the `trusted` marker, KEYS[2] `untrusted-since`; ARGV[1] the Redis run ID the
 # caller read, ARGV[2] the TTL in ms, ARGV[3] the round every live host says it
 # re-asserted its claims in ('' if not all have). Answers {1, ''} while the claims are
@@ -168,6 +193,7 @@ class RedisClaimStore:
         self.keys = ServiceKeys(service)
         self._claim = client.register_script(_CLAIM)
         self._trust = client.register_script(_TRUST)
+        self._take_over = client.register_script(_TAKE_OVER)
         self._release = client.register_script(_RELEASE)
         self._sweep = client.register_script(_SWEEP)
         self._reassert = client.register_script(_REASSERT)
@@ -253,6 +279,32 @@ class RedisClaimStore:
                 f"the claims of {len(garbage)} sessions hold no worker ID, "
                 f"such as {garbage[0]!r}",
             )
+        return taken
+
+    async def take_over(
+        self, worker: WorkerId, restored: Sequence[tuple[SessionId, WorkerId | None]]
+    ) -> dict[SessionId, WorkerId | None]:
+        """Claim, for `worker`, sessions a restore placed on it, each paired with the
+        worker that held it in the checkpoint: a claim that worker (of the host's
+        previous incarnation) left behind is taken over, one any other worker holds is
+        kept and returned with its holder (None for a claim key holding garbage)."""
+        if not restored:
+            return {}
+        index = self.keys.worker_claims(worker)
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for start in range(0, len(restored), BATCH):
+                    batch = restored[start : start + BATCH]
+                    keys = [index, *(self.keys.claim(sid) for sid, _ in batch)]
+                    args = [worker, *(v for sid, before in batch for v in (sid, before or ""))]
+                    await self._take_over(keys=keys, args=args, client=pipe)
+                replies = list(await pipe.execute())
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
+        taken: dict[SessionId, WorkerId | None] = {}
+        for start, reply in zip(range(0, len(restored), BATCH), replies, strict=True):
+            for position, holder in zip(reply[::2], reply[1::2], strict=True):
+                taken[restored[start + int(position) - 1][0]] = worker_id_or_none(text(holder))
         return taken
 
     async def _members(self, worker: WorkerId) -> set[Any]:

@@ -9,7 +9,7 @@ Only `tether serve --cluster` imports it (it needs `redis`).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -110,6 +110,13 @@ class ClusterMember:
         """A worker of this host exited: dead from now, for this host's workers too."""
         self._died_at.setdefault(worker, self.clock())
         self.dead = sorted(self._died_at)
+
+    def workers_gone(self, workers: Iterable[WorkerId]) -> None:
+        """Workers of this host's previous incarnation (a restore's): dead, so their
+        sessions answer 410 here and the claims they left are swept a window later."""
+        for worker in workers:
+            if worker not in self.local():
+                self.worker_left(worker)
 
     async def publish(self) -> None:
         """Write this host's record now (a worker registered or left), so other hosts find

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tether.checkpoint.store import list_checkpoints, validate_checkpoint_id
+from tether.checkpoint.store import PARTICIPANT_NAME, list_checkpoints, validate_checkpoint_id
 from tether.coordinator.controller import (
     Blocked,
     Controller,
@@ -60,7 +60,7 @@ EXIT_NOT_FOUND = 5
 TOKEN_ENV = "TETHER_CONTROL_TOKEN"
 
 _NOT_FOUND = frozenset({"no_checkpoint", "corrupt_checkpoint", "incompatible_state"})
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NAME = PARTICIPANT_NAME  # a server's name is its participant's (`<service>@<host_id>`)
 _CONFIG_KEYS = frozenset({"checkpoint_root", "server"})
 _SERVER_KEYS = frozenset({"name", "url", "token_file"})
 # Commands that read or write the checkpoint root, so cannot run without one.

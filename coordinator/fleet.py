@@ -269,6 +269,11 @@ class ChannelFleet:
                 # The checkpoint is intact; the server is fresh again: retry the restore.
                 raise TetherError("worker_lost", f"worker {worker} was lost while installing")
             raise TetherError("corrupt_checkpoint", f"worker {worker} failed to install: {error!r}")
+        cluster = self.coordinator.cluster
+        if cluster is not None:
+            # The checkpointed workers are gone: dead, their leftover claims swept.
+            cluster.workers_gone(placement.aliases)
+            await self.coordinator.broadcast_live()
         for path, entry in episodes:
             self.records.hold(Held(entry.id, entry.attempt or 0, path, entry))
         self.placed_count = len(placement.sessions)

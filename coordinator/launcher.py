@@ -167,7 +167,9 @@ async def _restore_at_start(options: ServeOptions, coordinator: Coordinator) -> 
     checkpoint_id = options.restore
     try:
         if checkpoint_id == "latest":
-            found = await asyncio.to_thread(resolve_latest, options.checkpoint_root, options.name)
+            found = await asyncio.to_thread(
+                resolve_latest, options.checkpoint_root, options.participant
+            )
             if found is None:
                 log.info("no_checkpoint_yet", restore="latest")
                 await fleet.open_admission()
@@ -207,13 +209,13 @@ async def _join_cluster(
     `StartupError` for a host ID another live host has, or a Redis nobody answers."""
     if options.cluster is None:
         return None
-    from tether.cluster.liveset import ClusterError
+    from tether.cluster.liveset import DEFAULT_TTL_S, ClusterError
     from tether.coordinator.cluster import ClusterMember, ClusterSettings
 
     assert options.service is not None
     assert options.advertise is not None
     settings = ClusterSettings(options.cluster, options.service, options.cluster_host_id,
-                               options.advertise)
+                               options.advertise, options.cluster_ttl_s or DEFAULT_TTL_S)
     member = ClusterMember(
         settings,
         local=coordinator.hop_addresses,
@@ -264,7 +266,7 @@ async def _serve(
 
     soft, _ = raise_open_file_limit()
     workers = options.worker_count
-    coordinator = Coordinator(workers, options.name, options.checkpoint_root)
+    coordinator = Coordinator(workers, options.participant, options.checkpoint_root)
     channels = ChannelServer(
         os.path.join(runtime_dir, COORDINATOR_SOCKET),
         coordinator.handler_for,
@@ -274,7 +276,7 @@ async def _serve(
     # the remembered IDs and the retire marks, which outlive any worker.
     coordinator.fleet = ChannelFleet(coordinator, runtime_dir)
     coordinator.checkpointer = Checkpointer(
-        coordinator.fleet, name=options.name, root=options.checkpoint_root
+        coordinator.fleet, name=options.participant, root=options.checkpoint_root
     )
     coordinator.checkpointer.start()
     # A restore at start-up keeps admission closed until it is done, so old cookies
@@ -319,7 +321,7 @@ async def _serve(
         sessions=options.sessions,
         close_window_s=options.close_window_s,
         log_format=options.log_format,
-        name=options.name,
+        name=options.participant,
         checkpoint_root=options.checkpoint_root,
         restore=options.restore,
         app_dir=options.app_dir,

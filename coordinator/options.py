@@ -56,6 +56,8 @@ class ServeOptions:
     hop_secret_file: str | None = None
     host_id: str | None = None
     """None: `$POD_NAME` if set, else the hostname."""
+    cluster_ttl_s: float | None = None
+    """The TTL of this host's record in the live set; None: 10 s."""
     # uvicorn's flags, with uvicorn's meaning
     app_dir: str = "."
     factory: bool = False
@@ -97,6 +99,14 @@ class ServeOptions:
         return self.host_id or os.environ.get("POD_NAME") or socket.gethostname()
 
     @property
+    def participant(self) -> str | None:
+        """The name of this server's records in checkpoints: `--name`, else on a cluster
+        `<service>@<host_id>` (SPEC 12), else None."""
+        if self.name is not None or self.cluster is None or self.service is None:
+            return self.name
+        return f"{self.service}@{self.cluster_host_id}"
+
+    @property
     def scheme(self) -> str:
         return "https" if self.ssl_certfile else "http"
 
@@ -106,7 +116,7 @@ class ServeOptions:
             return "--workers must be at least 1"
         if self.close_window_s is not None and self.close_window_s <= 0:
             return "--close-window must be a positive number of seconds"
-        if self.checkpoint_root is not None and self.name is None:
+        if self.checkpoint_root is not None and self.participant is None:
             return "--name is required with --checkpoint-root: it names this server's records"
         if self.name is not None:
             try:
@@ -143,6 +153,7 @@ class ServeOptions:
         given = [flag for flag, value in (
             ("--service", self.service), ("--advertise", self.advertise),
             ("--hop-secret-file", self.hop_secret_file), ("--host-id", self.host_id),
+            ("--cluster-ttl", self.cluster_ttl_s),
         ) if value is not None]
         if self.cluster is None:
             if given:
@@ -162,6 +173,8 @@ class ServeOptions:
                 return f"{flag}: {problem}"
         if self.uds is not None:
             return "--cluster serves on --host and --port; drop --uds"
+        if self.cluster_ttl_s is not None and not 1.0 <= self.cluster_ttl_s <= 3600.0:
+            return "--cluster-ttl must be 1 to 3600 seconds"
         return None
 
     def uvicorn_config(self) -> dict[str, Any]:
@@ -266,6 +279,9 @@ FLAGS: tuple[Flag, ...] = (
          "(0600, at least 32 bytes)", metavar="F"),
     Flag("host-id", "with --cluster: this host's ID, unique and stable in the service "
          "(default $POD_NAME, else the hostname)", metavar="ID"),
+    Flag("cluster-ttl", "with --cluster: seconds this host's record lives unless refreshed "
+         "(default 10; a host fences itself after 0.8 of it without Redis)", float,
+         dest="cluster_ttl_s", metavar="S"),
     Flag("app-dir", "look for APP's module in this directory (default .)"),
     Flag("factory", "APP names a function that returns the app", switch=True),
     Flag("env-file", "load environment variables from this file before starting workers"),

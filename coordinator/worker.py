@@ -324,6 +324,7 @@ class TetherWorker:
         await self._apply_tables(body["tables"])
         placed = self.routing.tables.placed
         installed = 0
+        restored: list[tuple[SessionId, WorkerId | None]] = []
         for path in body["segments"]:
             entries = await asyncio.to_thread(read_index, path)
             mine = [
@@ -332,6 +333,14 @@ class TetherWorker:
             ]
             if mine:
                 installed += await self.participant.install(Path(path), mine)
+                restored += [(SessionId(e.id), worker_id_or_none(e.owner)) for e in mine]
+        claims, store = self.routing.claims, self._cluster_store
+        if claims is not None and store is not None and restored:
+            # Before admission opens: every host must find the restored sessions here.
+            taken = await claims.adopt(restored, store.take_over)
+            if taken:
+                log.error("restored_sessions_held_elsewhere", sessions=len(taken),
+                          example=next(iter(taken)))
         return installed
 
     async def _apply_tables(self, tables: dict[str, str] | None) -> None:

@@ -124,9 +124,13 @@ class Cluster:
 
     def http(self, host: Host) -> Http:
         """A client of one host (a new connection per request), closed with the cluster."""
-        if host.host_id not in self._clients:
-            self._clients[host.host_id] = Http(host.url)
-        return self._clients[host.host_id]
+        if host.url not in self._clients:
+            self._clients[host.url] = Http(host.url)
+        return self._clients[host.url]
+
+    def forget(self, host: Host) -> None:
+        """Leave a host that is gone out of `hosts` (a restarted one takes its ID)."""
+        self.hosts.remove(host)
 
     def spread(self, hosts: Sequence[Host] | None = None) -> Spread:
         return Spread([self.http(host) for host in (self.hosts if hosts is None else hosts)])

@@ -625,3 +625,80 @@ async def test_redis_killed_then_restarted_empty_loses_no_session_and_splits_non
         reply = await session.increment()
         assert reply.status == 200 and reply.json["worker"] == session.worker, reply
     assert await cluster.claims() == {s.id: s.worker for s in everyone}
+
+
+# 7. Checkpoints across hosts ------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+async def test_two_hosts_checkpointed_by_ctl_and_both_killed_restore_every_session(
+    cluster: Cluster, short_dir: Path
+) -> None:
+    root = short_dir / "ckpt"
+    root.mkdir(mode=0o700)
+    flags = ("--checkpoint-root", str(root))
+    first = [cluster.start(h, ADDRESSES[h], WORKERS, *flags) for h in ("h1", "h2")]
+    await cluster.meshed({"h1": WORKERS, "h2": WORKERS})
+    run = run_id()
+    spread = cluster.spread(first)
+    sessions = [CounterSession(spread, f"ck-{run}-{i}") for i in range(40)]  # type: ignore[arg-type]
+    seeds = await bounded((s.seed() for s in sessions), limit=CONCURRENCY)
+    assert all(r.status == 200 for r in seeds), seeds
+    counts = {s.id: i % 4 for i, s in enumerate(sessions)}
+    for session in sessions:
+        for _ in range(counts[session.id]):
+            assert (await session.increment()).status == 200
+
+    config = short_dir / "ctl.toml"
+    servers = []
+    for host in first:
+        token = short_dir / f"{host.host_id}-token"
+        token.write_text(host.server.token)
+        token.chmod(0o600)
+        servers.append(f'[[server]]\nname = "e2e@{host.host_id}"\nurl = "{host.url}"\n'
+                       f'token_file = "{token}"\n')
+    config.write_text("\n".join(servers))
+    done = await asyncio.to_thread(
+        run_tether, "ctl", "--config", str(config), "--checkpoint-root", str(root), "--json",
+        "checkpoint", "--id", "c1",
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    written = json.loads((root / "c1" / "CHECKPOINT.json").read_text())
+    assert sorted(p["name"] for p in written["participants"]) == ["e2e@h1", "e2e@h2"]
+    for session in sessions:  # after the checkpoint: lost with the hosts
+        assert (await session.increment()).status == 200
+
+    for host in first:
+        os.killpg(host.server.pid, signal.SIGKILL)
+    for host in first:
+        await host.server.group_gone()
+        cluster.forget(host)
+
+    async def records_gone() -> bool:
+        return not await cluster.redis.exists(host_key("h1"), host_key("h2"))
+
+    await eventually(records_gone, TTL_S + SWEEP_MARGIN_S, "the killed hosts' records expire")
+    second = [cluster.start(h, ADDRESSES[h], WORKERS, *flags, "--restore", "latest")
+              for h in ("h1", "h2")]
+    owners = await cluster.meshed({"h1": WORKERS, "h2": WORKERS})
+    for host in second:
+        restored = [r for r in host.server.logs() if r.get("event") == "restored"]
+        assert [r["checkpoint_id"] for r in restored] == ["c1"], host.host_id
+
+    # Every session, asked of either host, reads its checkpointed count, from one worker
+    # of the new incarnations whose claim Redis holds.
+    again = [rebind(s, cluster.spread(second)) for s in sessions]
+    seen: dict[str, set[str]] = defaultdict(set)
+    for session in again:
+        for host in second:
+            reply = await cluster.http(host).request("GET", "/count", cookie=session.cookie)
+            assert reply.status == 200, (host.host_id, reply)
+            assert reply.json["count"] == counts[session.id], reply
+            seen[session.id].add(reply.json["worker"])
+    assert all(len(workers) == 1 for workers in seen.values()), seen
+    claims = await cluster.claims()
+    for session in again:
+        (worker,) = seen[session.id]
+        assert worker in owners and claims[session.id] == worker, (session.id, worker)
+        reply = await session.increment()
+        assert reply.status == 200 and reply.json["count"] == counts[session.id] + 1, reply

@@ -22,6 +22,10 @@ from tether.routing.types import SessionId, WorkerId, worker_id_or_none
 
 Clock = Callable[[], float]
 Reassert = Callable[[WorkerId, list[SessionId]], Awaitable[dict[SessionId, WorkerId]]]
+TakeOver = Callable[
+    [WorkerId, list[tuple[SessionId, WorkerId | None]]],
+    Awaitable[dict[SessionId, WorkerId | None]],
+]
 
 
 class ClaimStore(Protocol):
@@ -189,6 +193,20 @@ class WorkerClaims:
         for session_id in taken:
             self._mine.discard(session_id)
             self.lifetimes.forget(session_id)
+        return taken
+
+    async def adopt(
+        self, restored: list[tuple[SessionId, WorkerId | None]], take_over: TakeOver
+    ) -> dict[SessionId, WorkerId | None]:
+        """Claim, before admission opens, sessions a restore placed on this worker (on a
+        cluster, so every host finds them), each with its holder in the checkpoint; they
+        are held as open sessions. Returns those another worker holds."""
+        taken = await take_over(self.worker, restored)
+        now = self.clock()
+        for session_id, _ in restored:
+            if session_id not in taken:
+                self._mine.add(session_id)
+                self.lifetimes.served(session_id, "start", True, now)
         return taken
 
     def begin(self, session_id: SessionId) -> None:

@@ -282,3 +282,34 @@ async def test_a_new_redis_run_id_takes_the_trust_back(connect: Connect) -> None
     with pytest.raises(TetherError) as caught:
         await store.claimant(SessionId("nobody"))
     assert caught.value.code == "cluster_unavailable"
+
+
+async def test_a_restore_takes_over_what_the_checkpointed_holder_left_and_nothing_else(
+    connect: Connect,
+) -> None:
+    client = connect()
+    store = await trusting(RedisClaimStore(client, SERVICE))
+    before, restored_to, elsewhere = new_worker_id(), new_worker_id(), new_worker_id()
+    await store.claim(SessionId("left"), before)  # its host died before anyone swept it
+    await store.claim(SessionId("retaken"), elsewhere)  # another worker claimed it since
+    await client.sadd(store.keys.claim(SessionId("garbage")), "x")
+    many = ids(BATCH + 2, "bulk")
+    restored = [
+        (SessionId("left"), before),
+        (SessionId("retaken"), before),
+        (SessionId("unclaimed"), before),
+        (SessionId("new-on-one-worker"), None),
+        (SessionId("garbage"), before),
+        *((sid, before) for sid in many),
+    ]
+    expected = {SessionId("retaken"): elsewhere, SessionId("garbage"): None}
+    assert await store.take_over(restored_to, restored) == expected
+    assert await store.take_over(restored_to, restored) == expected  # again: the same
+
+    for sid in ("left", "unclaimed", "new-on-one-worker", *many):
+        assert await store.claimant(SessionId(sid)) == restored_to
+    assert await store.claimant(SessionId("retaken")) == elsewhere
+    assert await store.claims_of(restored_to) == {
+        "left", "unclaimed", "new-on-one-worker", *many
+    }
+    assert await store.take_over(restored_to, []) == {}

@@ -161,3 +161,31 @@ def test_checkpointable_declares_the_kind_and_the_participant_together() -> None
     assert declared_participant(app) is participant
     assert participant.provider is not None
     assert participant.state_version == "v1"
+
+
+CLUSTER = ("--cluster", "redis://127.0.0.1:6379/0", "--service", "svc", "--advertise",
+           "127.0.0.2", "--hop-secret-file", "/dev/null", "--host-id", "h1")
+
+
+def test_a_cluster_hosts_participant_is_service_at_host_id_unless_named() -> None:
+    assert options_from("main:app", parsed(*CLUSTER), env={}).participant == "svc@h1"
+    named = options_from("main:app", parsed(*CLUSTER, "--name", "mine"), env={})
+    assert named.participant == "mine"
+    alone = options_from("main:app", parsed("--checkpoint-root", "/tmp/x"), env={})
+    assert alone.participant is None
+    assert alone.problem() is not None and "--name" in alone.problem()  # type: ignore[operator]
+    clustered = options_from("main:app", parsed(*CLUSTER, "--checkpoint-root", "/tmp/x"), env={})
+    assert clustered.problem() is None
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("30", None), ("1", None), ("0.5", "--cluster-ttl must be 1 to 3600 seconds"),
+    ("7200", "--cluster-ttl must be 1 to 3600 seconds"),
+])
+def test_the_cluster_ttl_is_a_flag_and_a_variable(value: str, problem: str | None) -> None:
+    by_flag = options_from("main:app", parsed(*CLUSTER, "--cluster-ttl", value), env={})
+    by_env = options_from("main:app", parsed(*CLUSTER), env={"TETHER_CLUSTER_TTL": value})
+    assert by_flag.cluster_ttl_s == by_env.cluster_ttl_s == float(value)
+    assert by_flag.problem() == by_env.problem() == problem
+    alone = options_from("main:app", parsed("--cluster-ttl", value), env={})
+    assert alone.problem() == "--cluster-ttl needs --cluster redis://HOST:PORT/DB (several hosts)"
