@@ -34,7 +34,7 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 """What a Redis call raises when Redis cannot serve it now: all become `cluster_unavailable`."""
 
 BATCH = 500
-"""Claims per script call in `sweep_worker` and `reassert` (one pipeline for all batches)."""
+"""Claims per script call in `sweep_worker` and `take_over` (one pipeline for all batches)."""
 
 
 def unavailable(error: BaseException) -> TetherError:
@@ -94,27 +94,6 @@ for i = 2, #KEYS do
 end
 return swept
 """
-
-# Keys and arguments as _SWEEP. Claims each session for the worker unless another holds
-# it; answers {position, holder, ...} (position 1 is ARGV[2]) for those another holds.
-_REASSERT = """
-local taken = {}
-for i = 2, #KEYS do
-  local holder = ARGV[1]
-  if not redis.call('SET', KEYS[i], ARGV[1], 'NX') then
-    holder = redis.pcall('GET', KEYS[i])
-    if type(holder) ~= 'string' then holder = '' end
-  end
-  if holder == ARGV[1] then
-    redis.call('SADD', KEYS[1], ARGV[i])
-  else
-    taken[#taken + 1] = i - 1
-    taken[#taken + 1] = holder
-  end
-end
-return taken
-"""
-
 
 # KEYS[1] the worker's index, KEYS[2..] claims; ARGV[1] the worker, then per claim its
 # session and the worker that held it when the checkpoint was taken ('' for none).
@@ -196,7 +175,6 @@ class RedisClaimStore:
         self._take_over = client.register_script(_TAKE_OVER)
         self._release = client.register_script(_RELEASE)
         self._sweep = client.register_script(_SWEEP)
-        self._reassert = client.register_script(_REASSERT)
 
     async def claim(
         self, session_id: SessionId, worker: WorkerId, *, fresh: bool = False
@@ -258,36 +236,27 @@ class RedisClaimStore:
         self, worker: WorkerId, session_ids: Iterable[SessionId]
     ) -> dict[SessionId, WorkerId]:
         """Claim again, for `worker`, sessions it holds in memory (after Redis came back
-        empty, or after a restore) and put them back in its index; returns those another
-        worker claimed meanwhile, with that worker. Every batch runs even if one session's
-        claim holds garbage; that is then raised as `session_conflict` at the end."""
-        ids = list(session_ids)
-        replies = await self._batches(self._reassert, worker, ids)
-        taken: dict[SessionId, WorkerId] = {}
-        garbage: list[SessionId] = []
-        for start, reply in zip(range(0, len(ids), BATCH), replies, strict=True):
-            for position, holder in zip(reply[::2], reply[1::2], strict=True):
-                session_id = ids[start + int(position) - 1]
-                owner = worker_id_or_none(text(holder))
-                if owner is None:
-                    garbage.append(session_id)
-                else:
-                    taken[session_id] = owner
+        empty) and put them back in its index; returns those another worker claimed
+        meanwhile, with that worker. Every batch runs even if one session's claim holds
+        garbage; that is then raised as `session_conflict` at the end."""
+        taken = await self.take_over(worker, [(session_id, None) for session_id in session_ids])
+        garbage = [session_id for session_id, holder in taken.items() if holder is None]
         if garbage:
             raise TetherError(
                 "session_conflict",
                 f"the claims of {len(garbage)} sessions hold no worker ID, "
                 f"such as {garbage[0]!r}",
             )
-        return taken
+        return {session_id: holder for session_id, holder in taken.items() if holder is not None}
 
     async def take_over(
         self, worker: WorkerId, restored: Sequence[tuple[SessionId, WorkerId | None]]
     ) -> dict[SessionId, WorkerId | None]:
-        """Claim, for `worker`, sessions a restore placed on it, each paired with the
-        worker that held it in the checkpoint: a claim that worker (of the host's
-        previous incarnation) left behind is taken over, one any other worker holds is
-        kept and returned with its holder (None for a claim key holding garbage)."""
+        """Claim, for `worker`, sessions a restore placed on it (or it holds, to
+        re-assert), each paired with the worker that held it in the checkpoint (or
+        None): a claim that worker (of the host's previous incarnation) left behind is
+        taken over, one any other worker holds is kept and returned with its holder
+        (None for a claim key holding garbage). One pipeline, a script per `BATCH`."""
         if not restored:
             return {}
         index = self.keys.worker_claims(worker)

@@ -76,6 +76,7 @@ from e2e.bench.routing import (
     RawClient,
     cpu_seconds,
     cpu_ticks,
+    finish,
     http_request,
     json_reply,
     load_average,
@@ -113,7 +114,6 @@ FRESH_WARMUP = 50  # rounds of the new-connection pass not counted
 LOOKUP_WARMUP = 200
 TARGET_CROSS_OVER_SAME = 1.3  # SPEC 11: a hop to another host ÷ a hop on this host
 PACKAGES = ("uvicorn", "starlette", "httptools", "uvloop", "redis", "structlog")
-OTHER_WORK_NOTE_PERCENT = 10.0
 SERVING_WITHIN_S = 30.0
 
 
@@ -864,24 +864,8 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run(args))
     else:
         result = uvloop.run(run(args))
-    print(table(result))
-    other_work = result["kept_alive"]["other_work_cpu_percent"]
-    if other_work > OTHER_WORK_NOTE_PERCENT:
-        print(
-            f"\nnote: other processes used {other_work}% of the CPUs during the run; "
-            "the ratios are less reliable than in a quiet run",
-            file=sys.stderr,
-        )
-    if not result["checks"]["ok"]:
-        print(f"\nchecks failed: {json.dumps(result['checks'])}", file=sys.stderr)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(
-        json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
-    if not args.no_doc:
-        update_doc(result, args.doc)
-    print(f"\nwrote {args.output}" + ("" if args.no_doc else f" and {args.doc}"))
-    return 0 if result["checks"]["ok"] else 1
+    return finish(result, result["kept_alive"]["other_work_cpu_percent"], args.output,
+                  None if args.no_doc else args.doc, table, update_doc)
 
 
 if __name__ == "__main__":

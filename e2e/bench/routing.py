@@ -917,8 +917,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 100 or args.warmup < 0:
         parser.error("--rounds must be at least 100 and --warmup not negative")
     result = run(args.rounds, args.warmup, args.diagnose)
+    return finish(result, result["machine"]["other_work_cpu_percent"], args.output,
+                  None if args.no_doc else args.doc, table, update_doc)
+
+
+def finish(
+    result: dict[str, Any],
+    other_work: float,
+    output: Path,
+    doc: Path | None,
+    table: Callable[[dict[str, Any]], str],
+    update_doc: Callable[[dict[str, Any], Path], None],
+) -> int:
+    """A benchmark's end: print its table (and a note on a busy machine or a failed
+    check), write its JSON and, unless `doc` is None, its part of the doc; 1 if a
+    check failed."""
     print(table(result))
-    other_work = result["machine"]["other_work_cpu_percent"]
     if other_work > OTHER_WORK_NOTE_PERCENT:
         print(
             f"\nnote: other processes used {other_work}% of the CPUs during the run; "
@@ -926,14 +940,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     if not result["checks"]["ok"]:
-        print(f"checks failed: {result['checks']}", file=sys.stderr)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(
-        json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
-    if not args.no_doc:
-        update_doc(result, args.doc)
-    print(f"\nwrote {args.output}" + ("" if args.no_doc else f" and {args.doc}"))
+        print(f"\nchecks failed: {json.dumps(result['checks'])}", file=sys.stderr)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if doc is not None:
+        update_doc(result, doc)
+    print(f"\nwrote {output}" + ("" if doc is None else f" and {doc}"))
     return 0 if result["checks"]["ok"] else 1
 
 
