@@ -51,8 +51,9 @@ def text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-# KEYS[1] the claim, KEYS[2] the worker's index, KEYS[3] the `trusted` marker; ARGV[1]
-# the worker, ARGV[2] the session, ARGV[3] '1' for an ID just minted here. Answers the
+# KEYS[1] the claim, KEYS[2] the worker's index, KEYS[3] the `trusted` marker, KEYS[4]
+# the claimants; ARGV[1] the worker, ARGV[2] the session, ARGV[3] '1' for an ID just
+# minted here. Answers the
 # claimant; '' for a claim key that is not a string (reported as a conflict); 0, writing
 # nothing, for an ID a request named that nobody claims while the claims are not trusted
 # (it may be a session whose claim a Redis that came back empty lost).
@@ -66,6 +67,7 @@ if type(holder) == 'table' then return '' end
 if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[4], ARGV[1])
 return ARGV[1]
 """
 
@@ -95,39 +97,43 @@ end
 return swept
 """
 
-# KEYS[1] the worker's index, KEYS[2..] claims; ARGV[1] the worker, then per claim its
-# session and the worker that held it when the checkpoint was taken ('' for none).
-# Claims each session for the worker unless a worker other than that one holds it;
-# answers {position, holder, ...} (position 1 is the first session) for those.
+# KEYS[1] the worker's index, KEYS[2] the claimants, KEYS[3..] claims; ARGV[1] the
+# worker, then per claim its session and the worker that held it when the checkpoint was
+# taken ('' for none). Claims each session for the worker unless a worker other than
+# that one holds it; answers {position, holder, ...} (position 1 is the first session)
+# for those.
 _TAKE_OVER = """
 local taken = {}
-for i = 2, #KEYS do
-  local session, before = ARGV[2 * i - 2], ARGV[2 * i - 1]
+redis.call('SADD', KEYS[2], ARGV[1])
+for i = 3, #KEYS do
+  local session, before = ARGV[2 * i - 4], ARGV[2 * i - 3]
   local holder = redis.pcall('GET', KEYS[i])
   if type(holder) ~= 'string' or holder == ARGV[1] or holder == before then
     if type(holder) == 'table' then
-      taken[#taken + 1] = i - 1
+      taken[#taken + 1] = i - 2
       taken[#taken + 1] = ''
     else
       redis.call('SET', KEYS[i], ARGV[1])
       redis.call('SADD', KEYS[1], session)
     end
   else
-    taken[#taken + 1] = i - 1
+    taken[#taken + 1] = i - 2
     taken[#taken + 1] = holder
   end
 end
 return taken
 """
 
-# KEYS[1] the `trusted` marker, KEYS[2] `untrusted-since`; ARGV[1] the Redis run ID the
-# caller read, ARGV[2] the TTL in ms, ARGV[3] the round every live host says it
-# re-asserted its claims in ('' if not all have). Answers {1, ''} while the claims are
-# trusted under this run ID. Otherwise starts a round (`<run ID> <ms now>`) unless one of
-# this run ID is under way, and trusts the claims once every live host re-asserted in it
-# and a TTL passed since it started: by then every host that was live before Redis lost
-# its claims has either written its record again (re-asserting first) or let its lease
-# lapse, so it serves nothing. Answers {trusted, round}.
+# KEYS[1] the `trusted` marker, KEYS[2] `untrusted-since`, KEYS[3] the hosts set;
+# ARGV[1] the Redis run ID the caller read, ARGV[2] the TTL in ms, ARGV[3] the prefix of
+# host records (`tether:{service}:host:`). Answers {1, ''} while the claims are trusted
+# under this run ID. Otherwise starts a round (`<run ID> <ms now>`) unless one of this
+# run ID is under way, and trusts the claims once a TTL passed since it started and every
+# host record says its host re-asserted its claims in it: by then every host that was
+# live before Redis lost its claims has either written its record again (re-asserting
+# first) or let its lease lapse, so it serves nothing. The records are read here, in the
+# same atomic step, so a host whose record came back after the caller read the live set
+# still counts. Answers {trusted, round}.
 _TRUST = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return {1, ''} end
 local t = redis.call('TIME')
@@ -141,11 +147,18 @@ if not round or string.sub(round, 1, #prefix) ~= prefix then
   return {0, round}
 end
 local started = tonumber(string.sub(round, #prefix + 1)) or now
-if ARGV[3] == round and now - started >= tonumber(ARGV[2]) then
-  redis.call('SET', KEYS[1], ARGV[1])
-  return {1, round}
+if now - started < tonumber(ARGV[2]) then return {0, round} end
+for _, host in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  local raw = redis.pcall('GET', ARGV[3] .. host)
+  if type(raw) == 'string' then
+    local ok, record = pcall(cjson.decode, raw)
+    if ok and type(record) == 'table' and record['asserted'] ~= round then
+      return {0, round}
+    end
+  end
 end
-return {0, round}
+redis.call('SET', KEYS[1], ARGV[1])
+return {1, round}
 """
 
 CLAIMS_UNTRUSTED = (
@@ -179,7 +192,8 @@ class RedisClaimStore:
     async def claim(
         self, session_id: SessionId, worker: WorkerId, *, fresh: bool = False
     ) -> WorkerId:
-        keys = (self.keys.claim(session_id), self.keys.worker_claims(worker), self.keys.trusted)
+        keys = (self.keys.claim(session_id), self.keys.worker_claims(worker), self.keys.trusted,
+                self.keys.claimants)
         try:
             holder = await self._claim(keys=keys, args=(worker, session_id, "1" if fresh else ""))
         except UNAVAILABLE as error:
@@ -188,7 +202,10 @@ class RedisClaimStore:
 
     async def claimant(self, session_id: SessionId) -> WorkerId | None:
         """One `GET`; a miss costs an `EXISTS` of the trust marker more (a miss read
-        from a Redis that lost its claims is not an answer)."""
+        from a Redis that lost its claims is not an answer). Not atomic, and need not be:
+        the marker is set a TTL after the claims were lost at the soonest, so a `GET`
+        that missed because they were lost never meets it. (`MGET` would be one round
+        trip, but reads a claim key of another type as missing.)"""
         try:
             holder = await self.client.get(self.keys.claim(session_id))
             if holder is None and not await self.client.exists(self.keys.trusted):
@@ -201,12 +218,13 @@ class RedisClaimStore:
             ) from error
         return None if holder is None else _holder(session_id, holder)
 
-    async def trust(self, run_id: str, ttl_ms: int, asserted_by_all: str) -> tuple[bool, str]:
+    async def trust(self, run_id: str, ttl_ms: int) -> tuple[bool, str]:
         """Whether a lookup that finds no claim may be trusted under Redis run `run_id`,
         and the re-assertion round under way if not (see `_TRUST`)."""
-        keys = (self.keys.trusted, self.keys.untrusted_since)
+        keys = (self.keys.trusted, self.keys.untrusted_since, self.keys.hosts)
         try:
-            trusted, round_ = await self._trust(keys=keys, args=(run_id, ttl_ms, asserted_by_all))
+            args = (run_id, ttl_ms, self.keys.host_prefix)
+            trusted, round_ = await self._trust(keys=keys, args=args)
         except UNAVAILABLE as error:
             raise unavailable(error) from error
         return int(trusted) == 1, text(round_) or ""
@@ -230,7 +248,20 @@ class RedisClaimStore:
         Any live host may call it once the close window after the worker's death passed."""
         members = list(await self._members(worker))
         replies = await self._batches(self._sweep, worker, members)
+        try:
+            await self.client.srem(self.keys.claimants, worker)
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
         return sum(int(reply) for reply in replies)
+
+    async def claimants(self) -> set[WorkerId]:
+        """Every worker that claimed sessions and was not swept since."""
+        try:
+            members = await self.client.smembers(self.keys.claimants)
+        except UNAVAILABLE as error:
+            raise unavailable(error) from error
+        found = {worker_id_or_none(text(member)) for member in members}
+        return {worker for worker in found if worker is not None}
 
     async def reassert(
         self, worker: WorkerId, session_ids: Iterable[SessionId]
@@ -264,7 +295,8 @@ class RedisClaimStore:
             async with self.client.pipeline(transaction=False) as pipe:
                 for start in range(0, len(restored), BATCH):
                     batch = restored[start : start + BATCH]
-                    keys = [index, *(self.keys.claim(sid) for sid, _ in batch)]
+                    keys = [index, self.keys.claimants,
+                            *(self.keys.claim(sid) for sid, _ in batch)]
                     args = [worker, *(v for sid, before in batch for v in (sid, before or ""))]
                     await self._take_over(keys=keys, args=args, client=pipe)
                 replies = list(await pipe.execute())

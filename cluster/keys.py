@@ -54,6 +54,9 @@ class ServiceKeys:
         self._host = f"{self.prefix}host:"
         self.hosts = f"{self.prefix}hosts"
         """The set of host IDs that published a record (pruned when records expire)."""
+        self.claimants = f"{self.prefix}claimants"
+        """The set of workers that claimed sessions and were not swept since: a host finds
+        the dead among them even if no live host saw them die."""
         self.trusted = f"{self.prefix}trusted"
         """Exists (holding the Redis run ID) once the claims are known complete: until
         then a lookup that finds no claim cannot tell a new session from a lost claim."""
@@ -68,6 +71,11 @@ class ServiceKeys:
     def worker_claims(self, worker: WorkerId) -> str:
         """The set of session IDs one worker claimed, so a dead worker's can be swept."""
         return f"{self.prefix}worker:{worker}:claims"
+
+    @property
+    def host_prefix(self) -> str:
+        """What every host record's key starts with (a script builds them from it)."""
+        return self._host
 
     def host(self, host_id: str) -> str:
         """One host's record in the live set (expires unless refreshed)."""

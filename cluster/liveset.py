@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -132,12 +132,13 @@ return epoch
 """
 
 # Keys as _JOIN; ARGV[1] the record, ARGV[2] its epoch, ARGV[3] TTL in ms, ARGV[4] the
-# host ID, ARGV[5] '1' while the host's lease holds by its own clock. Answers 0 without
-# writing if a newer epoch started, the key holds another epoch, or the key is gone while
-# the counter still names this epoch (the record expired: other hosts may have seen this
-# incarnation dead). A counter that is gone too means Redis came back empty: then the
-# record and the counter are written again, if the lease still holds (else the host may
-# have been seen dead before Redis went away).
+# host ID, ARGV[5] '1' while the host's lease holds by its own clock; KEYS[4] the claims'
+# `trusted` marker. Answers 0 without writing if a newer epoch started, the key holds
+# another epoch, or the key is gone while the counter still names this epoch (the record
+# expired: other hosts may have seen this incarnation dead). A counter that is gone too
+# means Redis came back empty: then the record and the counter are written again, if the
+# lease still holds (else the host may have been seen dead before Redis went away) and
+# the claims are not trusted yet (else the others trusted them without this host's).
 _PUBLISH = """
 local epoch = tonumber(ARGV[2])
 local newest = tonumber(redis.pcall('GET', KEYS[2]))
@@ -146,7 +147,7 @@ local current = redis.pcall('GET', KEYS[1])
 if current then
   local ok, record = pcall(cjson.decode, current)
   if not ok or type(record) ~= 'table' or record['epoch'] ~= epoch then return 0 end
-elseif newest or ARGV[5] ~= '1' then
+elseif newest or ARGV[5] ~= '1' or redis.call('EXISTS', KEYS[4]) == 1 then
   return 0
 end
 if not newest or newest < epoch then redis.call('SET', KEYS[2], ARGV[2]) end
@@ -255,9 +256,10 @@ class LiveSet:
         when Redis still holds it."""
         if self.epoch is None:
             raise RuntimeError("publish before join")
-        leased = "1" if self.lease_valid(0.0) else ""
+        leased = "1" if self.lease_until() > self.clock() else ""
         record = HostRecord(self.host_id, self.epoch, workers, asserted).encode()
-        keys = (self._host_key, self.keys.epoch(self.host_id), self.keys.hosts)
+        keys = (self._host_key, self.keys.epoch(self.host_id), self.keys.hosts,
+                self.keys.trusted)
         started = self.clock()
         try:
             written = await self._publish(
@@ -352,9 +354,18 @@ class LiveView:
     fenced: bool
     asserted: Mapping[str, str] = field(default_factory=dict)
     """Each live host's last re-assertion round (`HostRecord.asserted`)."""
+    claimants: frozenset[WorkerId] = frozenset()
+    """Every worker with claims not swept, read before the records: one not in them is
+    dead, even if no host saw it die."""
 
     @classmethod
-    def of(cls, records: Mapping[str, HostRecord], run_id: str, fenced: bool) -> LiveView:
+    def of(
+        cls,
+        records: Mapping[str, HostRecord],
+        run_id: str,
+        fenced: bool,
+        claimants: Iterable[WorkerId] = (),
+    ) -> LiveView:
         """The view of the records `LiveSet.read` returned."""
         workers = {
             worker: LiveWorker(record.host_id, address)
@@ -362,12 +373,8 @@ class LiveView:
             for worker, address in record.workers.items()
         }
         asserted = {host_id: record.asserted for host_id, record in records.items()}
-        return cls(MappingProxyType(workers), run_id, fenced, MappingProxyType(asserted))
-
-    def round_asserted_by_all(self) -> str:
-        """The re-assertion round every live host says it took part in, or ''."""
-        rounds = set(self.asserted.values())
-        return rounds.pop() if len(rounds) == 1 else ""
+        return cls(MappingProxyType(workers), run_id, fenced, MappingProxyType(asserted),
+                   frozenset(claimants))
 
 
 OnChange = Callable[[LiveView], Awaitable[None]]
@@ -391,6 +398,7 @@ class Refresher:
         interval_s: float | None = None,
         after_round: Callable[[LiveView], Awaitable[None]] | None = None,
         asserted: Callable[[], str] = lambda: "",
+        claimants: Callable[[], Awaitable[set[WorkerId]]] | None = None,
     ) -> None:
         """`after_round`: awaited with the view after every round that reached Redis
         (what is due on a clock rather than on a change: sweeps, the lease pushed on);
@@ -398,6 +406,7 @@ class Refresher:
         self.live = live
         self.workers = workers
         self.asserted = asserted
+        self.claimants = claimants
         self.on_change = on_change
         self.after_round = after_round
         self.interval_s = live.ttl_s / 4 if interval_s is None else interval_s
@@ -441,7 +450,13 @@ class Refresher:
         is seen to have in the same round."""
         fenced = not await self.live.publish(self.workers(), self.asserted())
         run_id = await self.live.run_id()
-        view = LiveView.of(await self.live.read(), run_id, fenced)
+        # A worker claims only once its host's record lists it: read before the records,
+        # a claimant they do not list is dead.
+        claimants = set() if self.claimants is None else await self.claimants()
+        records = await self.live.read()
+        if await self.live.run_id() != run_id:  # the records may be a restarted Redis's
+            raise TetherError("cluster_unavailable", "Redis restarted during the refresh")
+        view = LiveView.of(records, run_id, fenced, claimants)
         if view != self.view:
             await self.on_change(view)
             self.view = view  # only once delivered: a failed push is tried again

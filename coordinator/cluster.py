@@ -8,6 +8,7 @@ Only `tether serve --cluster` imports it (it needs `redis`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -49,12 +50,13 @@ class ClusterMember:
         clock: Callable[[], float] = time.monotonic,
         *,
         restart_workers: Callable[[], Awaitable[None]] | None = None,
-        reassert_claims: Callable[[], Awaitable[None]] | None = None,
+        reassert_claims: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
         """`local`: this host's live workers and their hop addresses; `changed`: awaited
         when `remote`, `dead` or `lease_until` changed; `restart_workers`: replaces every
         worker by a new one (their claims are void); `reassert_claims`: has every worker
-        write its claims into Redis again (raises if one could not)."""
+        write its claims into Redis again within the seconds given (raises if one could
+        not)."""
         self.settings = settings
         self.local = local
         self.changed = changed
@@ -67,7 +69,8 @@ class ClusterMember:
                             ttl_s=settings.ttl_s, clock=clock)
         self.claims = RedisClaimStore(self.client, settings.service)
         self.refresher = Refresher(self.live, self.local, self._seen,
-                                   after_round=self._after_round, asserted=lambda: self.asserted)
+                                   after_round=self._after_round, asserted=lambda: self.asserted,
+                                   claimants=self.claims.claimants)
         self.remote: dict[WorkerId, str] = {}
         """Every other host's live workers, and where each takes forwarded requests."""
         self.dead: list[WorkerId] = []
@@ -77,6 +80,8 @@ class ClusterMember:
         wrote their claims in."""
         self.fenced = False
         """This incarnation is over: its workers are being replaced and it joins again."""
+        self._restart: asyncio.Task[None] | None = None
+        """Replaces the workers of a fenced incarnation; it joins again once that ended."""
         self._pushed_lease = 0.0
         self._trusted_run: str | None = None
         """The Redis run ID under which the claims (and so the records) were last seen
@@ -100,6 +105,9 @@ class ClusterMember:
         """Stop refreshing, leave the live set (other hosts see this host's workers dead
         at once, not a TTL later) and close the client."""
         await self.refresher.stop()
+        if self._restart is not None:
+            self._restart.cancel()
+            await asyncio.gather(self._restart, return_exceptions=True)
         try:
             await self.live.leave()
         except TetherError as error:
@@ -153,7 +161,7 @@ class ClusterMember:
         }
         if self._trusted_run == view.run_id:
             now = self.clock()
-            for worker in self._known - remote.keys() - local.keys():
+            for worker in (self._known | view.claimants) - remote.keys() - local.keys():
                 self._died_at.setdefault(worker, now)
             self._known = set(remote) | set(local)
         else:
@@ -168,35 +176,47 @@ class ClusterMember:
     async def _fence(self) -> None:
         """This incarnation is over (its record expired or a newer one started): other
         hosts may have seen its workers dead and swept their claims, so every worker is
-        replaced, with nothing, before this host joins again."""
+        replaced, with nothing, before this host joins again. The replacement runs in a
+        task of its own, so a round's time bound never cuts it short."""
         self.fenced = True
         log.error("cluster_fenced", host_id=self.settings.host_id, epoch=self.live.epoch)
-        await self.changed()  # the workers learn at once that their lease is over
+        self._restart = asyncio.create_task(self._replace_workers(), name="tether-fenced")
+
+    async def _replace_workers(self) -> None:
         if self.restart_workers is not None:
             await self.restart_workers()
 
     async def _after_round(self, view: LiveView) -> None:
-        """What a round that reached Redis is followed by: joining again once fenced,
-        the sweep of dead workers' claims, the claims' trust, the lease pushed on."""
+        """What a round that reached Redis is followed by: the lease pushed to the
+        workers (first: nothing after it may hold it up), joining again once fenced, the
+        sweep of dead workers' claims, the claims' trust."""
+        lease = self.lease_until()
+        if lease != self._pushed_lease:
+            self._pushed_lease = lease
+            await self.changed()
         if self.fenced:
             await self._join_again()
             return
         await self._sweep()
         await self._keep_claims_trusted(view)
-        lease = self.lease_until()
-        if lease != self._pushed_lease:
-            self._pushed_lease = lease
-            await self.changed()
 
     async def _join_again(self) -> None:
-        """Start a new incarnation once the workers were replaced; tried every round until
-        it succeeds (a host of this ID that is live meanwhile is logged, not fought)."""
+        """Start a new incarnation once the fenced one's workers are gone; tried every
+        round until it succeeds (a host of this ID that is live meanwhile is logged, not
+        fought)."""
+        restart = self._restart
+        if restart is None or not restart.done():
+            return
+        if not restart.cancelled() and restart.exception() is not None:
+            log.error("workers_not_replaced", error=repr(restart.exception()))
+            self._restart = asyncio.create_task(self._replace_workers(), name="tether-fenced")
+            return
         try:
             epoch = await self.live.join()
         except ClusterError as error:
             log.error("cluster_join_refused", detail=str(error))
             return
-        self.fenced = False
+        self.fenced, self._restart = False, None
         log.info("cluster_joined", service=self.settings.service,
                  host_id=self.settings.host_id, epoch=epoch, restarted=True)
         self.refresher.refresh_soon()
@@ -205,9 +225,7 @@ class ClusterMember:
         """While Redis lost its claims (it came back empty, or failed over), a lookup that
         finds none is refused; this host's workers write theirs again, once per
         re-assertion round, and the claims are trusted again once every live host has."""
-        trusted, round_ = await self.claims.trust(
-            view.run_id, self.live.ttl_ms, view.round_asserted_by_all()
-        )
+        trusted, round_ = await self.claims.trust(view.run_id, self.live.ttl_ms)
         if trusted:
             if self._trusted_run != view.run_id:
                 self._trusted_run = view.run_id
@@ -218,7 +236,7 @@ class ClusterMember:
             return
         log.warning("claims_untrusted", round=round_)
         if self.reassert_claims is not None:
-            await self.reassert_claims()
+            await self.reassert_claims(self.live.ttl_s / 4)  # within the round's bound
         self.asserted = round_
         log.info("claims_reasserted", round=round_)
         self.refresher.refresh_soon()  # the record says so at once

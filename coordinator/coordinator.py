@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("tether.coordinator")
 
 BROADCAST_TIMEOUT_S = 2.0
-REASSERT_TIMEOUT_S = 10.0
-"""A worker's re-assertion of its claims: a pipeline of one script per 500 claims."""
 RESTART_TIMEOUT_S = 10.0
 """How long a fenced host waits for its killed workers' channels to close."""
 CONTROL_CALLS = frozenset(
@@ -219,13 +217,12 @@ class Coordinator:
         except TimeoutError:
             log.error("workers_not_restarted", left=sorted(old & set(self.links)))
 
-    async def reassert_claims(self) -> None:
-        """Have every worker write its claims into the cluster's Redis again; raises
-        `TetherError` if one could not (the next round asks again)."""
+    async def reassert_claims(self, within_s: float) -> None:
+        """Have every worker write its claims into the cluster's Redis again (a pipeline of
+        one script per 500 claims) within `within_s`; raises `TetherError` if one could
+        not (the next round asks again)."""
         links = list(self.links.values())
-        calls = [
-            link.channel.request("reassert", {}, timeout=REASSERT_TIMEOUT_S) for link in links
-        ]
+        calls = [link.channel.request("reassert", {}, timeout=within_s) for link in links]
         results = await asyncio.gather(*calls, return_exceptions=True)
         failed = [link.worker for link, result in zip(links, results, strict=True)
                   if isinstance(result, Exception) and not isinstance(result, ChannelLost)]

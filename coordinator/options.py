@@ -173,8 +173,8 @@ class ServeOptions:
                 return f"{flag}: {problem}"
         if self.uds is not None:
             return "--cluster serves on --host and --port; drop --uds"
-        if self.cluster_ttl_s is not None and not 1.0 <= self.cluster_ttl_s <= 3600.0:
-            return "--cluster-ttl must be 1 to 3600 seconds"
+        if self.cluster_ttl_s is not None and not 5.0 <= self.cluster_ttl_s <= 3600.0:
+            return "--cluster-ttl must be 5 to 3600 seconds"
         return None
 
     def uvicorn_config(self) -> dict[str, Any]:

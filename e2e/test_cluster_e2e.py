@@ -667,6 +667,8 @@ async def test_two_hosts_checkpointed_by_ctl_and_both_killed_restore_every_sessi
     assert sorted(p["name"] for p in written["participants"]) == ["e2e@h1", "e2e@h2"]
     for session in sessions:  # after the checkpoint: lost with the hosts
         assert (await session.increment()).status == 200
+    late = CounterSession(spread, f"ck-{run}-late")  # type: ignore[arg-type]
+    assert (await late.seed()).status == 200
 
     for host in first:
         os.killpg(host.server.pid, signal.SIGKILL)
@@ -684,6 +686,12 @@ async def test_two_hosts_checkpointed_by_ctl_and_both_killed_restore_every_sessi
     for host in second:
         restored = [r for r in host.server.logs() if r.get("event") == "restored"]
         assert [r["checkpoint_id"] for r in restored] == ["c1"], host.host_id
+
+    # The session seeded after the checkpoint is gone: its claim names a worker no host
+    # saw die, and every host finds it dead among the claimants (410, never 503).
+    for host in second:
+        reply = await cluster.http(host).request("GET", "/count", cookie=late.cookie)
+        assert (reply.status, reply.code) == (410, "session_gone"), (host.host_id, reply)
 
     # Every session, asked of either host, reads its checkpointed count, from one worker
     # of the new incarnations whose claim Redis holds.

@@ -200,13 +200,17 @@ class WorkerClaims:
     ) -> dict[SessionId, WorkerId | None]:
         """Claim, before admission opens, sessions a restore placed on this worker (on a
         cluster, so every host finds them), each with its holder in the checkpoint; they
-        are held as open sessions. Returns those another worker holds."""
-        taken = await take_over(self.worker, restored)
+        are held as open sessions. Returns those another worker holds. They count as
+        this worker's before the store answers, so a restore given up (`release_all`)
+        releases whatever part of them a failed call wrote."""
         now = self.clock()
         for session_id, _ in restored:
-            if session_id not in taken:
-                self._mine.add(session_id)
-                self.lifetimes.served(session_id, "start", True, now)
+            self._mine.add(session_id)
+            self.lifetimes.served(session_id, "start", True, now)
+        taken = await take_over(self.worker, restored)
+        for session_id in taken:
+            self._mine.discard(session_id)
+            self.lifetimes.forget(session_id)
         return taken
 
     def begin(self, session_id: SessionId) -> None:

@@ -11,6 +11,8 @@ import redis.asyncio
 from e2e.redis_server import RedisServer
 from tests.cluster.conftest import Connect
 from tether.cluster.claims import BATCH, RedisClaimStore
+from tether.cluster.keys import ServiceKeys
+from tether.cluster.liveset import HostRecord
 from tether.routing.claims import ClaimStore
 from tether.routing.errors import TetherError
 from tether.routing.types import SessionId, WorkerId, new_worker_id
@@ -26,10 +28,10 @@ async def trusting(store: RedisClaimStore) -> RedisClaimStore:
     """The store, its claims trusted the way the hosts trust them: a round is started,
     every host (here: none but this one) re-asserted in it, and the TTL (0) passed."""
     run_id = str((await store.client.info("server"))["run_id"])
-    trusted, round_ = await store.trust(run_id, 0, "")
+    trusted, round_ = await store.trust(run_id, 0)
     if not trusted:
         assert round_.startswith(f"{run_id} ")
-        assert await store.trust(run_id, 0, round_) == (True, round_)
+        assert await store.trust(run_id, 0) == (True, round_)  # no host record to wait for
     return store
 
 
@@ -70,8 +72,8 @@ async def test_a_claim_is_one_round_trip_and_a_lookup_one_get(connect: Connect) 
     await store.claimant(SessionId("s"))
     used = await commands(client)
     used.pop("config|resetstat", None)
-    # The claim: one script (get, exists, set, sadd inside it); the lookup: one get.
-    assert used == {"evalsha": 1, "get": 2, "exists": 1, "set": 1, "sadd": 1}
+    # The claim: one script (get, exists, set, two sadd inside it); the lookup: one get.
+    assert used == {"evalsha": 1, "get": 2, "exists": 1, "set": 1, "sadd": 2}
 
 
 async def test_two_workers_claiming_the_same_ids_at_once_have_one_winner_each(
@@ -139,6 +141,7 @@ async def test_a_dead_workers_claims_are_swept_and_only_its_own(connect: Connect
         assert await store.claimant(sid) == live
     assert not await client.exists(store.keys.worker_claims(dead))
     assert await store.claims_of(live) == {*theirs, moved}
+    assert await store.claimants() == {live}  # the swept worker is no claimant any more
     assert await store.sweep_worker(dead) == 0
 
 
@@ -261,23 +264,37 @@ async def test_the_claims_are_trusted_once_every_host_asserted_and_a_ttl_passed(
 ) -> None:
     client = connect()
     store = RedisClaimStore(client, SERVICE)
+    keys = ServiceKeys(SERVICE)
     run_id = str((await client.info("server"))["run_id"])
-    trusted, round_ = await store.trust(run_id, 300, "")
+
+    async def record(host_id: str, asserted: str) -> None:
+        await client.set(keys.host(host_id), HostRecord(host_id, 1, {}, asserted).encode())
+        await client.sadd(keys.hosts, host_id)
+
+    trusted, round_ = await store.trust(run_id, 300)
     assert not trusted
-    assert await store.trust(run_id, 300, "") == (False, round_)  # the same round goes on
-    assert await store.trust(run_id, 300, round_) == (False, round_)  # a TTL has not passed
-    assert await client.exists(store.keys.trusted) == 0
+    await record("a", round_)
+    await record("b", "")  # has not re-asserted in this round yet
+    assert await store.trust(run_id, 300) == (False, round_)  # a TTL has not passed
     await asyncio.sleep(0.35)
-    assert await store.trust(run_id, 300, "") == (False, round_)  # not every host asserted
-    assert await store.trust(run_id, 300, round_) == (True, round_)
-    assert await store.trust(run_id, 300, "") == (True, "")
+    assert await store.trust(run_id, 300) == (False, round_)  # b has not
+    await record("b", round_)
+    await record("c", "")  # came back after the caller read the live set: it counts too
+    assert await store.trust(run_id, 300) == (False, round_)
+    await record("c", round_)
+    await client.set(keys.host("garbage"), "not a record")  # nobody's: it blocks nothing
+    await client.sadd(keys.hosts, "garbage", "expired")  # "expired": its record is gone
+    assert await store.trust(run_id, 300) == (True, round_)
+    assert await store.trust(run_id, 300) == (True, "")
+    await record("d", "")  # a host that joins once the claims are trusted changes nothing
+    assert await store.trust(run_id, 300) == (True, "")
 
 
 async def test_a_new_redis_run_id_takes_the_trust_back(connect: Connect) -> None:
     """A failover keeps the keys it replicated, `trusted` among them, but may have lost
     the newest claims: a host that reads another run ID starts a new round."""
     store = await trusting(RedisClaimStore(connect(), SERVICE))
-    trusted, round_ = await store.trust("another-run-id", 0, "")
+    trusted, round_ = await store.trust("another-run-id", 0)
     assert not trusted and round_.startswith("another-run-id ")
     with pytest.raises(TetherError) as caught:
         await store.claimant(SessionId("nobody"))
@@ -313,3 +330,4 @@ async def test_a_restore_takes_over_what_the_checkpointed_holder_left_and_nothin
         "left", "unclaimed", "new-on-one-worker", *many
     }
     assert await store.take_over(restored_to, []) == {}
+    assert await store.claimants() == {before, restored_to, elsewhere}

@@ -179,8 +179,8 @@ def test_a_cluster_hosts_participant_is_service_at_host_id_unless_named() -> Non
 
 
 @pytest.mark.parametrize(("value", "problem"), [
-    ("30", None), ("1", None), ("0.5", "--cluster-ttl must be 1 to 3600 seconds"),
-    ("7200", "--cluster-ttl must be 1 to 3600 seconds"),
+    ("30", None), ("5", None), ("4.9", "--cluster-ttl must be 5 to 3600 seconds"),
+    ("7200", "--cluster-ttl must be 5 to 3600 seconds"),
 ])
 def test_the_cluster_ttl_is_a_flag_and_a_variable(value: str, problem: str | None) -> None:
     by_flag = options_from("main:app", parsed(*CLUSTER, "--cluster-ttl", value), env={})
