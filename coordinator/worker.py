@@ -114,6 +114,8 @@ class TetherWorker:
             self._redis = redis_client(cluster["url"])
             store = RedisClaimStore(self._redis, cluster["service"])
         self._cluster_store = store
+        self._hop_addresses: dict[WorkerId, str] = {}
+        """Every other host's worker this one was told of, and where it took hops."""
         self.routing = RoutingWorker(
             app,
             kind=kind,
@@ -363,11 +365,17 @@ class TetherWorker:
         live = [w for w in (worker_id_or_none(w) for w in body["live"]) if w is not None]
         addresses = body.get("addresses")
         dead = body.get("dead")
-        self.routing.tables.set_live(
+        tables = self.routing.tables
+        tables.set_live(
             [*live, self.id],
             {WorkerId(w): str(a) for w, a in addresses.items()} if addresses else None,
             None if dead is None else [WorkerId(w) for w in dead],
         )
+        self._hop_addresses.update(tables.addresses)
+        if tables.dead is not None and self.routing.forwarder is not None:
+            # Another host's worker now dead: what waits on it ends with 410.
+            seen = self._hop_addresses
+            self.routing.forwarder.set_gone(seen[w] for w in tables.dead if w in seen)
         lease = body.get("lease_until")
         if isinstance(lease, int | float) and self.routing.claims is not None:
             self.routing.claims.lease_until = float(lease)

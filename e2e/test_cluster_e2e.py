@@ -503,16 +503,20 @@ async def test_a_host_paused_past_its_ttl_never_serves_a_session_another_host_to
     old_worker, old_cookie = session.worker, session.cookie
 
     os.killpg(paused.server.pid, signal.SIGSTOP)
+    paused_at = time.monotonic()
     try:
-        # Its record expires; the other host answers 410, sweeps the claim a window
-        # later, and then the session's ID is free: the other host takes it, new.
+        # A request the other host forwards to the paused one waits, until the other
+        # host sees the paused one dead: then it ends with 410, not at the pause's end.
+        waiting = await cluster.http(taker).request("GET", "/count", cookie=old_cookie)
+        assert (waiting.status, waiting.code) == (410, "session_gone"), waiting
+        assert time.monotonic() - paused_at < TTL_S + 2 * REFRESH_S + SWEEP_MARGIN_S
+
+        # Its record expired; the other host sweeps the claim a window later, and then
+        # the session's ID is free: the other host takes it, new.
         async def record_gone() -> bool:
             return await cluster.redis.exists(host_key("h1")) == 0
 
         await eventually(record_gone, TTL_S + SWEEP_MARGIN_S, "the paused host's record expires")
-        # Nothing is sent to the other host before it has read that: a request it would
-        # forward to the paused host meanwhile waits for the pause to end.
-        await asyncio.sleep(REFRESH_S + 1.0)
         retaken = CounterSession(cluster.http(taker), session.id)
 
         async def taken() -> bool:

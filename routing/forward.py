@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import functools
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from urllib.parse import quote, urlsplit
 
 import httptools
@@ -383,6 +383,9 @@ class Forwarder:
         self.signer = signer
         self.forwarded: int = 0
         self._pools: dict[str, list[_Connection]] = {}
+        self._busy: dict[str, set[_Connection]] = {}
+        """The connections a request is using, by claimant address."""
+        self._gone: frozenset[str] = frozenset()
         self._closed = False
 
     async def forward(
@@ -448,10 +451,14 @@ class Forwarder:
         loop = asyncio.get_running_loop()
 
         while True:
+            if address in self._gone:
+                raise ClaimantGone(f"the claimant at {address} is dead")
             conn = None if retried else self._checkout(address, loop)
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(address, loop)
+            busy = self._busy.setdefault(address, set())
+            busy.add(conn)
             conn.begin(is_head)
             transport = conn.transport
             timer: asyncio.TimerHandle | None = None
@@ -556,6 +563,7 @@ class Forwarder:
                     reusable = conn.keep_alive and conn.body_sent and conn.usable()
                     return
             finally:
+                busy.discard(conn)
                 if timer is not None:
                     timer.cancel()
                     conn.unwatch()
@@ -576,6 +584,8 @@ class Forwarder:
                     parts[-3] = self._sign(scope, target, caller)
                     head = b"".join(parts)
                 continue
+            if address in self._gone:
+                raise ClaimantGone(f"the claimant at {address} died while it had the request")
             raise ClaimantUnavailable(f"the claimant at {address} closed the connection")
 
     def _sign(self, scope: Scope, target: WorkerId | None, hop: bytes | None) -> bytes:
@@ -583,6 +593,17 @@ class Forwarder:
             raise ValueError("a hop to another host needs the forwarder's signer and a target")
         signature = self.signer(scope["method"], request_target(scope), target)
         return signed_hop_value(signature, hop)
+
+    def set_gone(self, addresses: Iterable[str]) -> None:
+        """The addresses of claimants known dead (another host's, whose host stopped
+        answering, perhaps paused): a request waiting on one ends (410 before its reply
+        began, a cut reply after), and none is sent to one again."""
+        gone = frozenset(addresses)
+        for address in gone - self._gone:
+            self.discard(address)
+            for conn in list(self._busy.get(address, ())):
+                conn.transport.abort()
+        self._gone = gone
 
     def discard(self, address: str) -> None:
         """Close the pooled connections to a claimant, e.g. when it died."""

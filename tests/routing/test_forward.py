@@ -535,6 +535,40 @@ async def test_a_fresh_connection_closed_before_any_reply_byte_is_claimant_unava
     assert io.sent == []
 
 
+async def test_a_claimant_set_gone_ends_the_request_waiting_on_it_and_takes_no_more(
+    short_tmp: Path, forwarder: Forwarder
+) -> None:
+    heard = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        heard.set()
+        await reader.read()  # never answers (a paused host); until the forwarder leaves
+        writer.close()
+        await writer.wait_closed()
+
+    path = str(short_tmp / "silent.sock")
+    server = await asyncio.start_unix_server(silent, path)
+    io = Recorder()
+    try:
+        waiting = asyncio.create_task(forwarder.forward(path, direct_scope(), io.receive, io.send))
+        await asyncio.wait_for(heard.wait(), BOUND)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        forwarder.set_gone([path])
+        with pytest.raises(ClaimantGone):
+            await asyncio.wait_for(waiting, BOUND)
+        later = Recorder()
+        with pytest.raises(ClaimantGone):
+            await forwarder.forward(path, direct_scope(), later.receive, later.send)
+        assert later.sent == []
+    finally:
+        server.close()
+        await server.wait_closed()
+
+    assert io.sent == []
+
+
 # 8. keep-alive
 
 
