@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import signal
 import subprocess
 from collections.abc import Iterable
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 
@@ -52,3 +54,19 @@ def stop(process: subprocess.Popen[bytes]) -> int:
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     return process.returncode
+
+
+def write_generated(path: Path, name: str, heading: str, generated: str) -> None:
+    """Put a benchmark's generated part (between `<!-- NAME:generated:begin` and
+    `<!-- NAME:generated:end -->`) into the doc in place of the last one, or add it under
+    `heading` at the end; the rest of the doc is left as it is."""
+    pattern = re.compile(
+        rf"<!-- {re.escape(name)}:generated:begin.*?<!-- {re.escape(name)}:generated:end -->",
+        re.S,
+    )
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if pattern.search(text):
+        text = pattern.sub(lambda _: generated, text, count=1)
+    else:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n{generated}\n"
+    path.write_text(text, encoding="utf-8")

@@ -55,7 +55,6 @@ import contextlib
 import gc
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -70,7 +69,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from e2e.bench import machine
+from e2e.bench import machine, write_generated
 from e2e.bench.routing import (
     CLIENT_TIMEOUT_S,
     RawClient,
@@ -823,18 +822,9 @@ def _generated_section(result: dict[str, Any]) -> str:
     )
 
 
-_GENERATED = re.compile(r"<!-- cluster:generated:begin.*?<!-- cluster:generated:end -->", re.S)
-
-
 def update_doc(result: dict[str, Any], path: Path) -> None:
     """Rewrite the generated part of the section, or add the section at the end."""
-    generated = _generated_section(result)
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if _GENERATED.search(text):
-        text = _GENERATED.sub(lambda _: generated, text, count=1)
-    else:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{generated}\n"
-    path.write_text(text, encoding="utf-8")
+    write_generated(path, "cluster", SECTION, _generated_section(result))
 
 
 def main(argv: list[str] | None = None) -> int:

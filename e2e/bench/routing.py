@@ -58,7 +58,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import Any
 
-from e2e.bench import machine, stop
+from e2e.bench import machine, stop, write_generated
 from tether.routing.claims import FileClaimStore, WorkerClaims
 from tether.routing.lifetimes import Lifetimes
 from tether.routing.types import SessionId, WorkerId, new_worker_id
@@ -739,18 +739,9 @@ def _generated_section(result: dict[str, Any]) -> str:
     )
 
 
-_GENERATED = re.compile(r"<!-- routing:generated:begin.*?<!-- routing:generated:end -->", re.S)
-
-
 def update_doc(result: dict[str, Any], path: Path) -> None:
     """Rewrite the generated part of the Routing section, leaving the rest as it is."""
-    generated = _generated_section(result)
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if _GENERATED.search(text):
-        text = _GENERATED.sub(lambda _: generated, text, count=1)
-    else:
-        text = text.rstrip("\n") + f"\n\n## Routing\n\n{generated}\n"
-    path.write_text(text, encoding="utf-8")
+    write_generated(path, "routing", "## Routing", _generated_section(result))
 
 
 # The run

@@ -56,7 +56,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from e2e.bench import machine, stop
+from e2e.bench import machine, stop, write_generated
 from e2e.harness import COUNTER_APP, Server, start_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -442,18 +442,9 @@ def _generated_section(result: dict[str, Any]) -> str:
     ])
 
 
-_GENERATED = re.compile(r"<!-- stress:generated:begin.*?<!-- stress:generated:end -->", re.S)
-
-
 def update_doc(result: dict[str, Any], path: Path) -> None:
     """Rewrite the generated part of the section, or add the section at the end."""
-    generated = _generated_section(result)
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if _GENERATED.search(text):
-        text = _GENERATED.sub(lambda _: generated, text, count=1)
-    else:
-        text = text.rstrip("\n") + f"\n\n## Concurrent sessions\n\n{generated}\n"
-    path.write_text(text, encoding="utf-8")
+    write_generated(path, "stress", "## Concurrent sessions", _generated_section(result))
 
 
 # The run -----------------------------------------------------------------------------------
