@@ -312,16 +312,23 @@ async def test_a_restore_without_enough_workers_by_its_deadline_is_workers_missi
     cid = (await take_checkpoint(first, root))["checkpoint_id"]
     await crash(first)
 
-    server = serve(COUNTER_APP, 4, *ckpt_args(root))
-    async with Http(server.url) as http:
-        reply = None
-        for _ in range(RACE_ATTEMPTS):
+    # A race: the killed worker's replacement must still be starting when the restore's
+    # deadline passes. One that registered in time lets the restore succeed; that server
+    # is restored, so the next try takes a fresh one.
+    reply = missing = None
+    for _ in range(RACE_ATTEMPTS):
+        server = serve(COUNTER_APP, 4, *ckpt_args(root))
+        async with Http(server.url) as http:
             missing = await one_worker_short(server, http)
             if missing is not None:
                 reply = await control(server, http, "restore", checkpoint_id=cid, deadline_s=0.3)
-                break
-        assert reply is not None, f"no replacement was slow enough in {RACE_ATTEMPTS} tries"
-        assert missing is not None
+                if reply.status != 200:
+                    break
+        await crash(server)
+        reply = missing = None
+    assert reply is not None, f"no replacement was slow enough in {RACE_ATTEMPTS} tries"
+    assert missing is not None
+    async with Http(server.url) as http:
         await live_workers(server, http, 4, without=missing)
         # Whatever it answered, the server stays fresh and restores once all are back.
         answer = await ok(server, http, "restore", checkpoint_id=cid, deadline_s=30)
