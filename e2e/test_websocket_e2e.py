@@ -183,15 +183,17 @@ async def test_100_sessions_seeded_over_http_each_count_right_over_a_websocket(
     assert await forwarded(server) >= SESSIONS // 4
 
 
-async def test_the_same_app_under_plain_uvicorn_loses_most_websocket_sessions() -> None:
+async def test_the_same_app_under_plain_uvicorn_loses_websocket_sessions() -> None:
     """The control: plain uvicorn passes each WebSocket to the worker that accepted it,
-    which holds the session about one time in four."""
+    which holds the session about one time in four; on a loaded machine the kernel may
+    hand most connections to one worker (a CI run saw 58 of 100 right), so the control
+    asks only that a clear share is lost, each refused by a worker without it."""
     with plain_uvicorn(APP, 4) as url:
         outcomes = await run_sessions(url)
     right = sum(o.right for o in outcomes)
-    assert right < SESSIONS // 2, right
+    assert right <= SESSIONS * 9 // 10, right
     refused = [o for o in outcomes if o.problem and o.problem.startswith("404")]
-    assert len(refused) >= SESSIONS // 2  # the workers without the session said so
+    assert len(refused) >= SESSIONS // 10  # the workers without the session said so
 
 
 async def test_close_codes_and_reasons_pass_through_a_relay_both_ways(serve: Serve) -> None:
