@@ -37,6 +37,7 @@ from tether.coordinator.runtime import COORDINATOR_SOCKET
 from tether.routing import tracing
 from tether.routing.errors import TetherError
 from tether.routing.fence import set_close_window
+from tether.routing.front import fits, front_protocol
 from tether.routing.kinds import SessionKind
 from tether.routing.logs import LogFormat, configure_logging, say
 from tether.routing.mcp import share_request_state_key
@@ -481,6 +482,9 @@ def main() -> None:
         log_config=None,
         interface="asgi3",
     )
+    passthrough = worker.routing.passthrough
+    if passthrough is not None and worker.routing.router.tracing is None and fits(config):
+        config.http = front_protocol(passthrough)
     worker.server = uvicorn.Server(config)
     worker.server.run(sockets=[listener])
 

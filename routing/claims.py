@@ -8,6 +8,7 @@ memory, the requests in progress for each, and the one place a claim ends.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import math
 import os
@@ -90,7 +91,7 @@ class FileClaimStore:
                 try:
                     os.link(temp, path)
                 except FileExistsError:
-                    existing = self._read(session_id)
+                    existing = self.read(session_id)
                     if existing is not None:
                         return existing
                     continue  # released between link and read, or names no worker
@@ -100,9 +101,9 @@ class FileClaimStore:
         raise TetherError("session_conflict", f"the claim file of {session_id!r} names no worker")
 
     async def claimant(self, session_id: SessionId) -> WorkerId | None:
-        return self._read(session_id)
+        return self.read(session_id)
 
-    def _read(self, session_id: SessionId) -> WorkerId | None:
+    def read(self, session_id: SessionId) -> WorkerId | None:
         # os.open/read/close: three system calls; buffered open() makes seven.
         try:
             fd = os.open(self._path(session_id), os.O_RDONLY)
@@ -118,10 +119,18 @@ class FileClaimStore:
         return worker_id_or_none(owner)
 
     async def release(self, session_id: SessionId, worker: WorkerId) -> None:
-        if self._read(session_id) == worker:
+        if self.read(session_id) == worker:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(session_id))
 
+
+class Later(enum.Enum):
+    """What `WorkerClaims.claimant_now` says when only waiting on the store could tell."""
+
+    LATER = "later"
+
+
+LATER = Later.LATER
 
 LEASE_LAPSED = (
     "this host's lease on the cluster's live set lapsed; it restarts its workers once "
@@ -173,6 +182,14 @@ class WorkerClaims:
         if session_id in self._mine:
             return self.worker
         return await self.store.claimant(session_id)
+
+    def claimant_now(self, session_id: SessionId) -> WorkerId | Later | None:
+        """The claimant if the store tells without waiting (claim files do), else LATER."""
+        if session_id in self._mine:
+            return self.worker
+        if isinstance(self.store, FileClaimStore):
+            return self.store.read(session_id)
+        return LATER
 
     async def claim(self, session_id: SessionId, *, fresh: bool = False) -> WorkerId:
         """Claim the ID for this worker unless another has; return the claimant.

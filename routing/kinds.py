@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from base64 import b64decode, b64encode
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,11 @@ Release = Callable[[SessionId], Awaitable[None]]
 """Drop a session's state on this worker (called when a post-handler claim loses a race)."""
 
 
+VERIFIED_S = 60.0
+VERIFIED_MAX = 4096
+"""How long, and for how many values at most, a verified session cookie is remembered."""
+
+
 @dataclass(frozen=True)
 class CookieCodec:
     """Reads and writes Starlette `SessionMiddleware` cookies with the app's own settings."""
@@ -53,14 +59,33 @@ class CookieCodec:
     def signer(self) -> itsdangerous.TimestampSigner:
         return itsdangerous.TimestampSigner(self.secret)
 
+    @cached_property
+    def _verified(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        return {}
+
     def decode(self, value: str) -> dict[str, Any] | None:
-        """The session in a cookie value, or None where `SessionMiddleware` would reject it."""
+        """The session in a cookie value, or None where `SessionMiddleware` would reject it.
+
+        A value that verified is remembered for `VERIFIED_S` (every request of a session
+        names it, and the signature check is most of a routing decision's cost); so a
+        cookie past its `max_age` may still route for that long (the app's own
+        `SessionMiddleware` still refuses it)."""
+        now = time.monotonic()
+        verified = self._verified
+        known = verified.get(value)
+        if known is not None and known[0] > now:
+            return dict(known[1])
         try:
             data = self.signer.unsign(value.encode("utf-8"), max_age=self.max_age)
             session = json.loads(b64decode(data))
         except (BadSignature, ValueError, UnicodeError):
             return None
-        return session if isinstance(session, dict) else None
+        if not isinstance(session, dict):
+            return None
+        if len(verified) >= VERIFIED_MAX:
+            verified.clear()
+        verified[value] = (now + VERIFIED_S, session)
+        return dict(session)
 
     def encode(self, session: dict[str, Any]) -> str:
         """A cookie value `SessionMiddleware` accepts, holding `session`."""

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tether.routing.claims import LEASE_LAPSED, WorkerClaims
+from tether.routing.claims import LATER, LEASE_LAPSED, WorkerClaims
 from tether.routing.errors import TetherError, send_error
 from tether.routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
 from tether.routing.hop import hop_value, strip_hop, take_hop
@@ -81,9 +81,12 @@ class RouterStats:
     ints and lists, so that counting costs one increment on the hot path."""
 
     forwarded: int = 0
-    """Requests from the public port handed to another worker's private socket."""
+    """Requests from the public port handed to another worker's private socket (by the
+    router, or by the passthrough, front.py)."""
     served_forwarded: int = 0
     """Requests another worker forwarded here, counted as they arrive."""
+    passed_through: int = 0
+    """Of `forwarded`, those the passthrough sent on as bytes (front.py)."""
     local: int = 0
     """Requests from the public port admitted to this worker's own app."""
     refused: dict[str, int] = field(
@@ -167,14 +170,15 @@ class Router:
         try:
             await self._route(scope, receive, logged_send, forwarded=False)
         finally:
-            log.info(
-                "request",
-                method=scope["method"],
-                path=scope["path"],
-                status=status,
-                session_id=scope.get(SCOPE_KEY),
-                ms=round((time.perf_counter() - started) * 1000, 3),
-            )
+            self.log_request(scope["method"], scope["path"], status, scope.get(SCOPE_KEY),
+                             time.perf_counter() - started)
+
+    def log_request(
+        self, method: str, path: str, status: int, session_id: str | None, seconds: float
+    ) -> None:
+        """The one access log line of a request this worker received."""
+        log.info("request", method=method, path=path, status=status, session_id=session_id,
+                 ms=round(seconds * 1000, 3))
 
     async def serve_forwarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The private entry: requests another worker forwarded here; never forwarded again."""
@@ -262,6 +266,11 @@ class Router:
             owner = await self._locate(session_id)
         except TetherError as error:
             return error
+        return self._to_owner(session_id, owner)
+
+    def _to_owner(
+        self, session_id: SessionId, owner: WorkerId | None
+    ) -> WorkerId | TetherError | None:
         if owner is None or owner == self.worker:
             return None
         if self.tables.is_live(owner):
@@ -269,6 +278,36 @@ class Router:
         if self.tables.is_gone(owner):
             return session_gone(session_id)
         return TetherError("claimant_unavailable", f"worker {owner} is not known to be live yet")
+
+    def passthrough_target(self, scope: Scope) -> WorkerId | None:
+        """The worker of this host whose private socket the passthrough (front.py) may
+        send a request with this head to: the live one that holds its session, when that
+        is known without waiting (this worker's memory, a claim file, the placed-session
+        table); the session's ID is then in the scope. None: the request goes through
+        `__call__`, where `destination` decides as for any request."""
+        kind, claims = self.kind, self.claims
+        if kind is None or claims is None:
+            return None
+        path = route_path(scope)
+        if path.startswith(CONTROL_PREFIX) or (scope["method"], path) in kind.body_routes:
+            return None
+        found = find(kind, scope)
+        session_id = found.session_id
+        if session_id is None or found.hop or claims.mine(session_id) or not claims.leased():
+            return None
+        try:
+            owner = claims.claimant_now(session_id)
+        except TetherError:
+            return None
+        if owner is LATER:
+            return None
+        if owner is None:
+            owner = self.tables.placed.get(session_id)
+        where = self._to_owner(session_id, owner)
+        if not isinstance(where, str) or where in self.tables.addresses:
+            return None  # refused, served here, or another host's worker
+        scope[SCOPE_KEY] = session_id
+        return where
 
     async def _locate(self, session_id: SessionId) -> WorkerId | None:
         """Lookup order: this worker's claims, the claim store, the placed-session table."""

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp
 from tether.routing.claims import ClaimStore, FileClaimStore, WorkerClaims
 from tether.routing.errors import TetherError
 from tether.routing.forward import Forwarder
+from tether.routing.front import Passthrough
 from tether.routing.hopsign import HopSigner, HopVerifier
 from tether.routing.kinds import SessionKind
 from tether.routing.lifetimes import Lifetimes
@@ -84,6 +85,8 @@ class RoutingWorker:
         self.private: PrivateServer | None = None
         self.hop_server: PrivateServer | None = None
         """On a cluster, the TCP listener for requests other hosts forward here."""
+        self.passthrough: Passthrough | None = None
+        """Sends requests of sessions another worker of this host holds on as bytes."""
         window = kind.close_window_s if kind else 300.0
         self._sweep_every = min(max(window / 20, MIN_SWEEP_S), MAX_SWEEP_S)
         self._sweeper: asyncio.Task[None] | None = None
@@ -110,6 +113,7 @@ class RoutingWorker:
             relays=self.relays,
         )
         if runtime_dir is not None:
+            self.passthrough = Passthrough(self.router, self.socket_path)
             os.makedirs(os.path.join(runtime_dir, "w"), mode=0o700, exist_ok=True)
             self.private = PrivateServer(
                 self.router.serve_forwarded,
@@ -158,6 +162,8 @@ class RoutingWorker:
             await self.private.stop()
         if self.forwarder is not None:
             await self.forwarder.close()
+        if self.passthrough is not None:
+            self.passthrough.close()
 
     def is_open(self, session_id: str) -> bool:
         """Whether the router counts the session as open (True without routing)."""
@@ -173,6 +179,7 @@ class RoutingWorker:
             "claims": len(self.claims) if self.claims is not None else 0,
             "forwarded": self.router.stats.forwarded,
             "served_forwarded": self.router.stats.served_forwarded,
+            "passed_through": self.router.stats.passed_through,
         }
 
     def metrics(self) -> dict[str, Any]:

@@ -1,0 +1,252 @@
+"""The throughput benchmark (SPEC 11): requests per second at 4 workers for requests of
+random sessions, against plain `uvicorn --workers 4` serving the same handler with no
+sessions, in the same run.
+
+Run from the repository root (about a minute)::
+
+    .venv/bin/python -m e2e.bench.throughput [--seconds 10] [--rounds 2] [--no-doc]
+
+Each round runs `tether serve e2e.bench.throughput_app:app --workers 4` and then
+`uvicorn e2e.bench.throughput_app:app --workers 4` (both without access logs, so the
+figure is routing's cost, not logging's), each driven for `--seconds` by the client of
+`e2e/bench/load_client.py` in its own process: 64 kept-alive connections, one request at
+a time on each, `GET /count` with the signed session cookie of one of 1,000 sessions
+picked at random per request. With 4 workers three requests in four reach a worker that
+does not hold their session. Before the clock starts every session is used once (under
+tether, that claims it where it lands).
+
+It prints a table, writes `e2e/bench/results/throughput.json` and rewrites the generated
+part of the "Throughput" section of `docs/benchmarks.md` (not with `--no-doc`); it exits
+1 if a run's checks fail (an error reply, a lost connection, a process left over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from itsdangerous import TimestampSigner
+
+from e2e.bench import machine, stop, write_generated
+from e2e.bench.routing import (
+    REPO,
+    code_version,
+    cpu_seconds,
+    cpu_ticks,
+    finish,
+    load_average,
+    start_tether,
+)
+from e2e.bench.throughput_app import SECRET
+
+RESULTS = REPO / "e2e" / "bench" / "results" / "throughput.json"
+DOC = REPO / "docs" / "benchmarks.md"
+COMMAND = ".venv/bin/python -m e2e.bench.throughput"
+APP = "e2e.bench.throughput_app:app"
+WORKERS = 4
+CONNECTIONS = 64
+SESSIONS = 1000
+WARMUP_S = 2.0
+TARGET = 0.7  # SPEC 11: tether ÷ plain uvicorn
+PACKAGES = ("uvicorn", "uvloop", "httptools", "starlette")
+
+
+def cookies(count: int) -> list[str]:
+    """Cookie header values naming sessions `tp-0` ... as Starlette's SessionMiddleware
+    signs them with the app's secret."""
+    signer = TimestampSigner(SECRET)
+    values = []
+    for index in range(count):
+        data = base64.b64encode(json.dumps({"session_id": f"tp-{index}"}).encode())
+        values.append("session=" + signer.sign(data).decode("ascii"))
+    return values
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_uvicorn(log_dir: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    log = open(os.path.join(log_dir, "uvicorn.log"), "wb")  # noqa: SIM115 (the process's)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", APP, "--workers", str(WORKERS), "--port", str(port),
+         "--no-access-log"],
+        cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+    )
+    log.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"uvicorn exited with code {process.returncode}")
+        ready = Path(log_dir, "uvicorn.log").read_text(errors="replace")
+        if ready.count("Application startup complete") >= WORKERS:
+            return process, port
+        time.sleep(0.05)
+    stop(process)
+    raise RuntimeError("uvicorn did not start its workers within 60 s")
+
+
+def group_cpu(root: int) -> float:
+    """CPU seconds of `root` and every process in its session (the server's workers)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == root:
+                    total += cpu_seconds(int(entry))
+            except (OSError, ValueError):
+                continue
+    return total
+
+
+def drive(port: int, seconds: float, cookie_file: str, server: int) -> dict[str, Any]:
+    """Run the load client against `port`; its figures, and the server's CPU per reply."""
+    cpu = group_cpu(server)
+    client = subprocess.run(
+        [sys.executable, "-m", "e2e.bench.load_client", str(port), str(CONNECTIONS),
+         str(WARMUP_S), str(seconds), cookie_file],
+        cwd=REPO, capture_output=True, check=True, timeout=seconds + 120,
+    )
+    server_cpu = group_cpu(server) - cpu  # warm-up included: an upper bound per reply
+    result: dict[str, Any] = json.loads(client.stdout.decode().strip().splitlines()[-1])
+    result["requests_per_s"] = round(result["replies"] / result["seconds"], 1)
+    result["server_cpu_s"] = round(server_cpu, 3)
+    return result
+
+
+def run(seconds: float, rounds: int) -> dict[str, Any]:
+    load_before = load_average()
+    log_dir = tempfile.mkdtemp(prefix="tp-", dir="/tmp")
+    cookie_file = os.path.join(log_dir, "cookies")
+    Path(cookie_file).write_text("\n".join(cookies(SESSIONS)) + "\n", encoding="latin-1")
+    runs: dict[str, list[dict[str, Any]]] = {"tether": [], "uvicorn": []}
+    exits: list[int] = []
+    ticks_before = cpu_ticks()
+    try:
+        for _ in range(rounds):
+            tether = start_tether(log_dir, APP, WORKERS, ("--log-format", "json",
+                                                          "--no-access-log"))
+            try:
+                runs["tether"].append(drive(tether.port, seconds, cookie_file, tether.process.pid))
+            finally:
+                exits.append(stop(tether.process))
+            plain, port = start_uvicorn(log_dir)
+            try:
+                runs["uvicorn"].append(drive(port, seconds, cookie_file, plain.pid))
+            finally:
+                exits.append(stop(plain))
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    ticks_after = cpu_ticks()
+    busy = ticks_after[0] - ticks_before[0]
+    capacity = ticks_after[1] - ticks_before[1]
+    ours = sum(
+        r["server_cpu_s"] + r["client_cpu_s"] for rs in runs.values() for r in rs
+    ) * os.sysconf("SC_CLK_TCK")
+    measured = {name: statistics.median(r["requests_per_s"] for r in rs)
+                for name, rs in runs.items()}
+    ratio = round(measured["tether"] / measured["uvicorn"], 3)
+    checks = {
+        "errors": sum(r["errors"] for rs in runs.values() for r in rs),
+        "lost_connections": sum(r["lost_connections"] for rs in runs.values() for r in rs),
+        "exit_codes": exits,
+    }
+    checks["ok"] = (
+        checks["errors"] == 0 and checks["lost_connections"] == 0
+        and all(code in (0, -15) for code in exits)
+    )
+    return {
+        "benchmark": "throughput",
+        "command": f"{COMMAND} --seconds {seconds:g} --rounds {rounds}",
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            **machine(PACKAGES),
+            "load_average_before": load_before,
+            "load_average_after": load_average(),
+            # Rough: the servers' warm-up CPU counts as theirs, the rest of the run as other work.
+            "other_work_cpu_percent": round(
+                100 * max(0.0, busy - ours) / capacity, 1) if capacity else 0.0,
+        },
+        "code": code_version(),
+        "setup": {
+            "tether": f"tether serve {APP} --workers {WORKERS} --port 0 --no-access-log",
+            "uvicorn": f"uvicorn {APP} --workers {WORKERS} --no-access-log",
+            "client": f"e2e/bench/load_client.py: {CONNECTIONS} kept-alive connections, "
+            f"GET /count of a random session of {SESSIONS}, {WARMUP_S:g} s warm-up",
+            "seconds": seconds,
+        },
+        "runs": runs,
+        "requests_per_s": measured,
+        "tether_over_uvicorn": ratio,
+        "target": {"tether_over_uvicorn": TARGET, "pass": ratio >= TARGET},
+        "checks": checks,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| server | requests/s (median of rounds) | each round | server CPU µs per reply |",
+        "| --- | ---: | --- | ---: |",
+    ]
+    for name, rs in result["runs"].items():
+        each = ", ".join(f"{r['requests_per_s']:.0f}" for r in rs)
+        cpu = statistics.median(
+            r["server_cpu_s"] * 1e6 / max(1, r["replies"]) for r in rs
+        )
+        lines.append(f"| {name} | {result['requests_per_s'][name]:.0f} | {each} | {cpu:.0f} |")
+    target = result["target"]
+    lines += [
+        "",
+        "| figure | measured | target | |",
+        "| --- | ---: | ---: | --- |",
+        f"| tether ÷ uvicorn | {result['tether_over_uvicorn']:.3f} | ≥ {TARGET} | "
+        f"{'pass' if target['pass'] else 'FAIL'} |",
+    ]
+    return "\n".join(lines)
+
+
+def update_doc(result: dict[str, Any], path: Path) -> None:
+    m = result["machine"]
+    generated = "\n".join([
+        "<!-- throughput:generated:begin (written by the benchmark; edit outside it) -->",
+        f"Latest run: {result['timestamp']}, `{result['command']}`, {m['nproc']} CPUs "
+        f"({m['cpu_model']}), Python {m['python']}; other processes used "
+        f"{m['other_work_cpu_percent']}% of the CPUs during the run.",
+        "",
+        table(result),
+        "<!-- throughput:generated:end -->",
+    ])
+    write_generated(path, "throughput", "## Throughput", generated)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured per run (10)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each server (2)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--no-doc", action="store_true")
+    args = parser.parse_args(argv)
+    result = run(args.seconds, args.rounds)
+    return finish(result, result["machine"]["other_work_cpu_percent"], args.output,
+                  None if args.no_doc else args.doc, table, update_doc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The passthrough (routing/front.py): a request another worker of this host holds the
+session of goes there as bytes, and where it cannot, the router forwards it by copying;
+either way it reaches its holder and comes back right (SPEC 4.2, 4.5, 11)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import ssl
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from e2e.conftest import Serve
+from e2e.harness import Connection, Http, Server
+
+pytestmark = pytest.mark.e2e
+
+APP = "e2e.apps.echo:app"
+
+
+class Raw:
+    """A kept-alive connection that reads replies as bytes (duplicate headers and all)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.port: int = writer.get_extra_info("sockname")[1]
+
+    def write(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def reply(self) -> tuple[int, list[tuple[str, str]], Any]:
+        async with asyncio.timeout(15):
+            head = await self.reader.readuntil(b"\r\n\r\n")
+            status_line, *lines = head.decode("latin-1").split("\r\n")
+            headers = [
+                (name.strip().lower(), value.strip())
+                for name, _, value in (line.partition(":") for line in lines if line)
+            ]
+            size = int(dict(headers)["content-length"])
+            body = json.loads(await self.reader.readexactly(size))
+        return int(status_line.split()[1]), headers, body
+
+    async def close(self) -> None:
+        self.writer.transport.abort()
+
+
+def get(path: str, cookie: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nhost: tether\r\ncookie: {cookie}\r\n\r\n".encode()
+
+
+async def seed(server: Server, session_id: str) -> tuple[str, str]:
+    """Seed a session; its cookie and its holder."""
+    async with Http(server.url) as http:
+        reply = await http.request("POST", "/seed_session", json={"session_id": session_id})
+        assert reply.status == 200, reply
+        cookie = reply.cookie()
+        assert cookie is not None
+        return cookie, reply.json["worker"]
+
+
+async def workers(server: Server) -> dict[str, dict[str, Any]]:
+    async with Http(server.url) as http:
+        return {w["id"]: w for w in (await server.status(http))["workers"]}
+
+
+async def raw_on(
+    server: Server, lines: dict[str, dict[str, Any]], worker: str,
+    tls: ssl.SSLContext | None = None,
+) -> Raw:
+    """A kept-alive connection that `worker` accepted."""
+    host, port = server.host_port
+    pids = [line["pid"] for line in lines.values()]
+    for _ in range(60):
+        reader, writer = await asyncio.open_connection(host, port, ssl=tls)
+        if await Connection(reader, writer).owner(pids) == lines[worker]["pid"]:
+            return Raw(reader, writer)
+        writer.transport.abort()
+    raise AssertionError(f"no connection landed on worker {worker}")
+
+
+async def test_requests_on_a_connection_another_worker_accepted_pass_through_to_the_holder(
+    serve: Serve,
+) -> None:
+    server = serve(APP, 2)
+    cookie, holder = await seed(server, "through")
+    lines = await workers(server)
+    (other,) = [w for w in lines if w != holder]
+    raw = await raw_on(server, lines, other)
+    try:
+        for _ in range(5):
+            raw.write(get("/echo", cookie))
+            status, headers, seen = await raw.reply()
+            assert status == 200
+            assert seen["worker"] == holder
+            assert seen["session_id"] == "through"
+            assert seen["client"] == ["127.0.0.1", raw.port], "the caller's own address"
+            names = [name for name, _ in headers]
+            assert names.count("date") == 1 and names.count("server") == 1, headers
+    finally:
+        await raw.close()
+    after = await workers(server)
+    assert after[other]["passed_through"] == 5
+    assert after[other]["forwarded"] == 5
+    assert after[holder]["served_forwarded"] == 5
+
+
+async def test_a_connection_serves_its_own_workers_sessions_and_passes_the_others_through(
+    serve: Serve,
+) -> None:
+    server = serve(APP, 2)
+    seeded = [await seed(server, f"turn-{index}") for index in range(12)]
+    holders = {holder for _, holder in seeded}
+    assert len(holders) == 2, "sessions landed on both workers"
+    lines = await workers(server)
+    here = next(iter(holders))
+    raw = await raw_on(server, lines, here)
+    try:
+        for _ in range(2):
+            for cookie, holder in seeded:
+                raw.write(get("/echo", cookie))
+                status, _, seen = await raw.reply()
+                assert (status, seen["worker"]) == (200, holder)
+    finally:
+        await raw.close()
+    after = await workers(server)
+    elsewhere = sum(1 for _, holder in seeded if holder != here)
+    assert after[here]["passed_through"] == 2 * elsewhere
+
+
+async def test_requests_the_passthrough_cannot_take_are_forwarded_by_copying_and_reach_the_holder(
+    serve: Serve,
+) -> None:
+    """Two requests in one write (pipelined), a head in two writes, and an `x-forwarded-for`
+    header: each goes the router's way, and each still reaches its holder."""
+    server = serve(APP, 2)
+    cookie, holder = await seed(server, "copied")
+    lines = await workers(server)
+    (other,) = [w for w in lines if w != holder]
+    raw = await raw_on(server, lines, other)
+    try:
+        raw.write(get("/echo?n=1", cookie) + get("/echo?n=2", cookie))
+        for _ in range(2):
+            status, _, seen = await raw.reply()
+            assert (status, seen["worker"]) == (200, holder)
+        request = get("/echo?n=3", cookie)
+        raw.write(request[:20])
+        await asyncio.sleep(0.05)
+        raw.write(request[20:])
+        status, _, seen = await raw.reply()
+        assert (status, seen["worker"]) == (200, holder)
+        proxied = b"\r\nx-forwarded-for: 10.1.2.3\r\n\r\n"
+        raw.write(get("/echo?n=4", cookie).replace(b"\r\n\r\n", proxied))
+        status, _, seen = await raw.reply()
+        assert (status, seen["worker"], seen["client"][0]) == (200, holder, "10.1.2.3")
+    finally:
+        await raw.close()
+    after = await workers(server)
+    assert after[other]["passed_through"] == 0
+    assert after[other]["forwarded"] == 4
+
+
+@pytest.fixture
+def certificate() -> Iterator[tuple[str, str]]:
+    """A self-signed key and certificate for localhost, made for this test."""
+    with tempfile.TemporaryDirectory(prefix="te-tls-") as directory:
+        key, cert = os.path.join(directory, "key.pem"), os.path.join(directory, "cert.pem")
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=localhost", "-keyout", key, "-out", cert],
+            check=True, capture_output=True,
+        )
+        yield key, cert
+
+
+async def test_under_tls_requests_of_another_workers_session_are_forwarded_by_copying(
+    serve: Serve, certificate: tuple[str, str]
+) -> None:
+    key, cert = certificate
+    server = serve(APP, 2, "--ssl-keyfile", key, "--ssl-certfile", cert)
+    cookie, holder = await seed(server, "tls")
+    lines = await workers(server)
+    (other,) = [w for w in lines if w != holder]
+    tls = ssl.create_default_context()
+    tls.check_hostname = False
+    tls.verify_mode = ssl.CERT_NONE
+    raw = await raw_on(server, lines, other, tls)
+    try:
+        for _ in range(3):
+            raw.write(get("/echo", cookie))
+            status, _, seen = await raw.reply()
+            assert (status, seen["worker"], seen["scheme"]) == (200, holder, "https")
+    finally:
+        await raw.close()
+    after = await workers(server)
+    assert after[other]["forwarded"] == 3
+    assert after[other]["passed_through"] == 0
+
+
+async def test_a_passed_through_request_whose_holder_is_killed_is_answered_410_or_503(
+    serve: Serve,
+) -> None:
+    server = serve(APP, 2)
+    cookie, holder = await seed(server, "doomed")
+    lines = await workers(server)
+    (other,) = [w for w in lines if w != holder]
+    raw = await raw_on(server, lines, other)
+    try:
+        raw.write(get("/slow?s=30", cookie))
+        await asyncio.sleep(0.5)  # (the holder sleeps in the handler)
+        os.kill(lines[holder]["pid"], signal.SIGKILL)
+        status, _, body = await raw.reply()
+        assert (status, body["code"]) in {(410, "session_gone"), (503, "claimant_unavailable")}
+    finally:
+        await raw.close()

@@ -1,0 +1,309 @@
+"""The public port's HTTP protocol: uvicorn's httptools protocol with a passthrough in
+front of it for requests another worker of this host holds the session of.
+
+Each request that starts on an idle connection is offered to `Passthrough.start` first.
+When its head shows another live worker of this host holds its session (the router's
+`passthrough_target`) and the request is a plain one, its bytes go to that worker's
+private socket as they came, with the hop header (hop.py) added, and the reply's bytes
+come back as they came, with this server's `date` and `server` headers added; the reply
+is parsed only to see where it ends. No ASGI scope, task or message is made for it here.
+
+Everything else goes to uvicorn's protocol and the router as before, which forwards by
+copying what it must (forward.py): a request with no session, or this worker's, or
+another host's; a head or body that did not come in one read; a request with a body of
+unknown length, an upgrade (WebSocket), `expect`, or hop-by-hop or `x-forwarded-*`
+headers; a HEAD; and one whose holder's socket does not take it at once. A request
+whose link fails before the reply's first byte is given to uvicorn's protocol too, with
+the bytes it came with, so the forwarder's retry and its 410 and 503 rules answer it.
+The head is read here only to pick the worker; the holder parses it again and decides
+by itself (SPEC 4.2: what arrives on a private socket is served there).
+
+It replaces the public server's protocol only where it can: httptools (uvicorn's
+default), no TLS (`--ssl-*`) and no HTTP/2, and a process that does not trace (a traced
+hop keeps its `tether forward` span, SPEC 9).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote
+
+import uvicorn
+from starlette.types import Scope
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from tether.routing.hop import HOP_HEADER, hop_value
+from tether.routing.router import Router
+from tether.routing.splice import Link, Links
+from tether.routing.types import WorkerId
+
+__all__ = ["Passthrough", "fits", "front_protocol", "head_scope"]
+
+PASSTHROUGH_MAX = 1 << 16
+"""The largest request (head and body, in one read) that takes the passthrough."""
+_SPACES = b" \t"
+_NOT_PASSED = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+    b"transfer-encoding", b"upgrade", b"expect", HOP_HEADER, b"x-forwarded-for",
+    b"x-forwarded-proto", b"forwarded",
+})
+"""Headers that send a request the router's way: hop-by-hop ones, `expect` (uvicorn
+answers it), a client's hop header (the router strips it) and the proxy headers uvicorn
+reads (its middleware corrects the caller's address first)."""
+
+
+def head_scope(head: bytes, root_path: str) -> Scope | None:
+    """The parts of an ASGI scope a routing decision reads, from an HTTP/1.1 request head
+    without its closing blank line; None for anything else (HTTP/1.0, obsolete line
+    folding, a header line without a colon)."""
+    lines = head.split(b"\r\n")
+    request_line = lines[0].split(b" ")
+    if len(request_line) != 3 or request_line[2] != b"HTTP/1.1":
+        return None
+    method, target, _ = request_line
+    if not target.startswith(b"/"):
+        return None
+    raw_path, _, query = target.partition(b"?")
+    headers: list[tuple[bytes, bytes]] = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name[-1] in _SPACES or name[0] in _SPACES:
+            return None
+        headers.append((name.lower(), value.strip(_SPACES)))
+    try:
+        path = unquote(raw_path.decode("ascii"))
+        method_name = method.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return {
+        "type": "http",
+        "method": method_name,
+        "path": root_path + path,
+        "raw_path": raw_path,
+        "root_path": root_path,
+        "query_string": query,
+        "headers": headers,
+    }
+
+
+class _Spliced:
+    """One request on the passthrough: its link, and what its log line and metrics need."""
+
+    __slots__ = ("data", "front", "link", "method", "path", "sent", "session_id", "started")
+
+    def __init__(self, front: Any, link: Link, data: bytes, scope: Scope, started: float) -> None:
+        self.front = front
+        self.link = link
+        self.data = data
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.session_id = scope.get("tether.session_id")
+        self.started = started
+        self.sent = False
+
+    def reply(self, data: bytes, link: Link) -> None:
+        front = self.front
+        if not self.sent:
+            self.sent = True
+            end = data.find(b"\r\n") + 2  # after the status line (uvicorn writes it whole)
+            if end > 1:
+                extra = b"".join(
+                    b"%s: %s\r\n" % pair for pair in front.server_state.default_headers
+                )
+                data = data[:end] + extra + data[end:]
+        front.transport.write(data)
+        if link.complete:
+            front.spliced(self, link.keep_alive)
+
+    def lost(self, link: Link) -> None:
+        self.front.splice_lost(self)
+
+
+class Passthrough:
+    """Decides which requests take the passthrough, and starts them on it."""
+
+    def __init__(self, router: Router, path_of: Callable[[WorkerId], str]) -> None:
+        """`path_of`: a worker's private socket."""
+        self.router = router
+        self.path_of = path_of
+        self.links = Links()
+
+    def start(self, front: Any, data: bytes) -> _Spliced | None:
+        """Send the request `data` holds whole to its session's holder, if it may take
+        the passthrough; None (nothing sent) otherwise."""
+        started = time.perf_counter()
+        if len(data) > PASSTHROUGH_MAX:
+            return None
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        scope = head_scope(data[:end], front.root_path)
+        if scope is None or scope["method"] == "HEAD":
+            return None
+        length = 0
+        for name, value in scope["headers"]:
+            if name in _NOT_PASSED:
+                return None
+            if name == b"content-length":
+                if not value.isdigit() or length:
+                    return None
+                length = int(value)
+        if len(data) - end - 4 != length:
+            return None  # a body still coming, or a second request behind this one
+        router = self.router
+        target = router.passthrough_target(scope)
+        if target is None:
+            return None
+        path = self.path_of(target)
+        link = self.links.get(path)
+        if link is None:
+            return None
+        hop = front.hop_value()
+        request = b"%s\r\n%s: %s\r\n\r\n%s" % (data[:end], HOP_HEADER, hop, data[end + 4 :])
+        spliced = _Spliced(front, link, data, scope, started)
+        if not link.send(request, spliced):
+            return None
+        router.stats.forwarded += 1
+        router.stats.passed_through += 1
+        return spliced
+
+    def finished(self, spliced: _Spliced, status: int, kept: bool) -> None:
+        """Count and log a request whose reply ended; keep its link if it may be reused."""
+        router = self.router
+        elapsed = time.perf_counter() - spliced.started
+        router.stats.observe_forward(elapsed)
+        if kept:
+            self.links.put(spliced.link)
+        else:
+            spliced.link.close()
+        if router.access_log:
+            router.log_request(
+                spliced.method, spliced.path, status, spliced.session_id, elapsed
+            )
+
+    def abandoned(self, spliced: _Spliced) -> None:
+        """A request whose link failed before its reply began: the copying path takes it
+        (and counts it)."""
+        spliced.link.close()
+        self.router.stats.forwarded -= 1
+        self.router.stats.passed_through -= 1
+
+    def close(self) -> None:
+        self.links.close()
+
+
+def fits(config: uvicorn.Config) -> bool:
+    """Whether the public server's settings let `front_protocol` replace its protocol:
+    httptools, chosen or by `auto`, and no TLS or HTTP/2."""
+    if config.is_ssl or getattr(config, "http2", False):
+        return False
+    if config.http == "httptools":
+        return True
+    if config.http != "auto":
+        return False
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    return AutoHTTPProtocol is HttpToolsProtocol
+
+
+def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol that offers each request on an idle connection to
+    `passthrough` first."""
+
+    class FrontProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._spliced: _Spliced | None = None
+            self._held: list[bytes] = []
+            self._held_size = 0
+            self._paused = False
+            self._hop: bytes | None = None
+            self._closing = False
+
+        def hop_value(self) -> bytes:
+            """The hop header's value for this connection's caller (hop.py)."""
+            if self._hop is None:
+                self._hop = hop_value({
+                    "client": self.client, "server": self.server,
+                    "scheme": self.scheme, "root_path": self.root_path,
+                })
+            return self._hop
+
+        def data_received(self, data: bytes) -> None:
+            if self._spliced is not None:
+                self._held.append(data)  # pipelined behind the spliced request
+                self._held_size += len(data)
+                if self._held_size > PASSTHROUGH_MAX:
+                    self.transport.pause_reading()
+                    self._paused = True
+                return
+            cycle = self.cycle
+            if (cycle is None or (cycle.response_complete and not cycle.more_body)) and (
+                not self.pipeline
+            ):
+                spliced = passthrough.start(self, data)
+                if spliced is not None:
+                    self._unset_keepalive_if_required()
+                    self._spliced = spliced
+                    return
+            super().data_received(data)
+
+        def spliced(self, spliced: _Spliced, keep_alive: bool) -> None:
+            """The spliced request's reply is complete."""
+            self._spliced = None
+            link = spliced.link
+            passthrough.finished(spliced, link.status, keep_alive)
+            self.server_state.total_requests += 1
+            if not keep_alive or self._closing:
+                self.transport.close()
+                return
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            if self._held:
+                self.data_received(self._take_held())
+
+        def _take_held(self) -> bytes:
+            held, self._held, self._held_size = b"".join(self._held), [], 0
+            if self._paused:
+                self._paused = False
+                self.transport.resume_reading()
+            return held
+
+        def splice_lost(self, spliced: _Spliced) -> None:
+            """The link failed: before the reply began, the router serves the request
+            from its bytes; after, the client connection is cut (as forward.py does)."""
+            self._spliced = None
+            if spliced.sent:
+                self.transport.abort()
+                return
+            passthrough.abandoned(spliced)
+            super().data_received(spliced.data + self._take_held())
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            spliced, self._spliced = self._spliced, None
+            if spliced is not None:
+                spliced.link.close()  # the holder sees the client leave
+            super().connection_lost(exc)
+
+        def shutdown(self) -> None:
+            if self._spliced is not None:
+                self._closing = True  # closes once the reply is out
+                return
+            super().shutdown()
+
+        def pause_writing(self) -> None:
+            if self._spliced is not None:
+                self._spliced.link.pause()
+            else:
+                super().pause_writing()
+
+        def resume_writing(self) -> None:
+            if self._spliced is not None:
+                self._spliced.link.resume()
+            else:
+                super().resume_writing()
+
+    return FrontProtocol
