@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from e2e.conftest import Serve
-from e2e.harness import Connection, Http, Server
+from e2e.harness import Connection, Http, Server, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -48,6 +48,11 @@ class Raw:
 
     async def close(self) -> None:
         self.writer.transport.abort()
+
+
+def echo_lines(server: Server) -> list[dict[str, Any]]:
+    """The access lines of `/echo` requests logged so far."""
+    return [r for r in server.logs() if r.get("event") == "request" and r.get("path") == "/echo"]
 
 
 def get(path: str, cookie: str) -> bytes:
@@ -108,6 +113,11 @@ async def test_requests_on_a_connection_another_worker_accepted_pass_through_to_
     assert after[other]["passed_through"] == 5
     assert after[other]["forwarded"] == 5
     assert after[holder]["served_forwarded"] == 5
+    lines_logged = await eventually(
+        lambda: echo_lines(server) if len(echo_lines(server)) >= 5 else None, 10,
+        "the access lines are written")
+    assert [r["worker_id"] for r in lines_logged] == [holder] * 5, "once each, by the holder"
+    assert all(r["session_id"] == "through" and r["status"] == 200 for r in lines_logged)
 
 
 async def test_a_connection_serves_its_own_workers_sessions_and_passes_the_others_through(
@@ -163,6 +173,10 @@ async def test_requests_the_passthrough_cannot_take_are_forwarded_by_copying_and
     after = await workers(server)
     assert after[other]["passed_through"] == 0
     assert after[other]["forwarded"] == 4
+    lines_logged = await eventually(
+        lambda: echo_lines(server) if len(echo_lines(server)) >= 4 else None, 10,
+        "the access lines are written")
+    assert [r["worker_id"] for r in lines_logged] == [other] * 4, "once each, where received"
 
 
 @pytest.fixture

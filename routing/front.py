@@ -6,7 +6,8 @@ When its head shows another live worker of this host holds its session (the rout
 `passthrough_target`) and the request is a plain one, its bytes go to that worker's
 private socket as they came, with the hop header (hop.py) added, and the reply's bytes
 come back as they came, with this server's `date` and `server` headers added; the reply
-is parsed only to see where it ends. No ASGI scope, task or message is made for it here.
+is parsed only to see where it ends. No ASGI scope, task or message is made for it here,
+and the holder writes its access line (the hop header says so, hop.py).
 
 Everything else goes to uvicorn's protocol and the router as before, which forwards by
 copying what it must (forward.py): a request with no session, or this worker's, or
@@ -34,7 +35,7 @@ import uvicorn
 from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from tether.routing.hop import HOP_HEADER, hop_value
+from tether.routing.hop import HOP_HEADER, LOG_HERE, hop_value
 from tether.routing.router import Router
 from tether.routing.splice import Link, Links
 from tether.routing.types import WorkerId
@@ -89,17 +90,15 @@ def head_scope(head: bytes, root_path: str) -> Scope | None:
 
 
 class _Spliced:
-    """One request on the passthrough: its link, and what its log line and metrics need."""
+    """One request on the passthrough: its link, its bytes (for the copying path, should
+    the link fail first) and when it started (`tether_forward_seconds`)."""
 
-    __slots__ = ("data", "front", "link", "method", "path", "sent", "session_id", "started")
+    __slots__ = ("data", "front", "link", "sent", "started")
 
-    def __init__(self, front: Any, link: Link, data: bytes, scope: Scope, started: float) -> None:
+    def __init__(self, front: Any, link: Link, data: bytes, started: float) -> None:
         self.front = front
         self.link = link
         self.data = data
-        self.method: str = scope["method"]
-        self.path: str = scope["path"]
-        self.session_id = scope.get("tether.session_id")
         self.started = started
         self.sent = False
 
@@ -162,26 +161,20 @@ class Passthrough:
             return None
         hop = front.hop_value()
         request = b"%s\r\n%s: %s\r\n\r\n%s" % (data[:end], HOP_HEADER, hop, data[end + 4 :])
-        spliced = _Spliced(front, link, data, scope, started)
+        spliced = _Spliced(front, link, data, started)
         if not link.send(request, spliced):
             return None
         router.stats.forwarded += 1
         router.stats.passed_through += 1
         return spliced
 
-    def finished(self, spliced: _Spliced, status: int, kept: bool) -> None:
-        """Count and log a request whose reply ended; keep its link if it may be reused."""
-        router = self.router
-        elapsed = time.perf_counter() - spliced.started
-        router.stats.observe_forward(elapsed)
+    def finished(self, spliced: _Spliced, kept: bool) -> None:
+        """Time a request whose reply ended; keep its link if it may be reused."""
+        self.router.stats.observe_forward(time.perf_counter() - spliced.started)
         if kept:
             self.links.put(spliced.link)
         else:
             spliced.link.close()
-        if router.access_log:
-            router.log_request(
-                spliced.method, spliced.path, status, spliced.session_id, elapsed
-            )
 
     def abandoned(self, spliced: _Spliced) -> None:
         """A request whose link failed before its reply began: the copying path takes it
@@ -229,6 +222,8 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                     "client": self.client, "server": self.server,
                     "scheme": self.scheme, "root_path": self.root_path,
                 })
+                if passthrough.router.access_log:
+                    self._hop = LOG_HERE + self._hop  # the holder writes the access line
             return self._hop
 
         def data_received(self, data: bytes) -> None:
@@ -253,8 +248,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
         def spliced(self, spliced: _Spliced, keep_alive: bool) -> None:
             """The spliced request's reply is complete."""
             self._spliced = None
-            link = spliced.link
-            passthrough.finished(spliced, link.status, keep_alive)
+            passthrough.finished(spliced, keep_alive)
             self.server_state.total_requests += 1
             if not keep_alive or self._closing:
                 self.transport.close()

@@ -157,7 +157,11 @@ class Router:
             return
         if not self.access_log:
             await self._route(scope, receive, send, forwarded=False)
-            return
+        else:
+            await self._logged(scope, receive, send, forwarded=False)
+
+    async def _logged(self, scope: Scope, receive: Receive, send: Send, forwarded: bool) -> None:
+        """`_route`, with the request's access log line once it ends."""
         started = time.perf_counter()
         status = 0
 
@@ -168,7 +172,7 @@ class Router:
             await send(message)
 
         try:
-            await self._route(scope, receive, logged_send, forwarded=False)
+            await self._route(scope, receive, logged_send, forwarded=forwarded)
         finally:
             self.log_request(scope["method"], scope["path"], status, scope.get(SCOPE_KEY),
                              time.perf_counter() - started)
@@ -176,7 +180,8 @@ class Router:
     def log_request(
         self, method: str, path: str, status: int, session_id: str | None, seconds: float
     ) -> None:
-        """The one access log line of a request this worker received."""
+        """The one access log line of a request: written by the worker that received it,
+        or for one the passthrough sent (front.py), by the one that served it."""
         log.info("request", method=method, path=path, status=status, session_id=session_id,
                  ms=round(seconds * 1000, 3))
 
@@ -193,8 +198,11 @@ class Router:
             await self.app(scope, receive, send)
             return
         self.stats.served_forwarded += 1
-        take_hop(scope)  # the caller as the receiving worker saw it
-        await self._route(scope, receive, send, forwarded=True)
+        # The caller as the receiving worker saw it; logged here if the passthrough sent it.
+        if take_hop(scope) and self.access_log:
+            await self._logged(scope, receive, send, forwarded=True)
+        else:
+            await self._route(scope, receive, send, forwarded=True)
 
     def ended(self, session_id: SessionId) -> None:
         """The app ended a session under a route its kind does not name."""
@@ -283,7 +291,7 @@ class Router:
         """The worker of this host whose private socket the passthrough (front.py) may
         send a request with this head to: the live one that holds its session, when that
         is known without waiting (this worker's memory, a claim file, the placed-session
-        table); the session's ID is then in the scope. None: the request goes through
+        table). None: the request goes through
         `__call__`, where `destination` decides as for any request."""
         kind, claims = self.kind, self.claims
         if kind is None or claims is None:
@@ -306,7 +314,6 @@ class Router:
         where = self._to_owner(session_id, owner)
         if not isinstance(where, str) or where in self.tables.addresses:
             return None  # refused, served here, or another host's worker
-        scope[SCOPE_KEY] = session_id
         return where
 
     async def _locate(self, session_id: SessionId) -> WorkerId | None:
