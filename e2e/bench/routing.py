@@ -12,7 +12,8 @@ session and times `GET /count` for it over three kept-alive client connections, 
 request on each per round, in an order that rotates every round:
 
     direct  a connection the session's holder accepted: served with no hop
-    tether  a connection the other worker accepted: tether's router forwards it
+    tether  a connection the other worker accepted: every request on it is forwarded,
+            by the passthrough (routing/front.py) where it can be, else by copying
     plain   a connection to the baseline (Starlette Request + aiohttp UnixConnector +
             StreamingResponse on its own uvicorn), which forwards to the holder's
             private socket, the same socket tether forwards to
