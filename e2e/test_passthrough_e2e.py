@@ -116,7 +116,7 @@ async def test_requests_on_a_connection_another_worker_accepted_pass_through_to_
     lines_logged = await eventually(
         lambda: echo_lines(server) if len(echo_lines(server)) >= 5 else None, 10,
         "the access lines are written")
-    assert [r["worker_id"] for r in lines_logged] == [holder] * 5, "once each, by the holder"
+    assert [r["worker_id"] for r in lines_logged] == [other] * 5, "once each, where received"
     assert all(r["session_id"] == "through" and r["status"] == 200 for r in lines_logged)
 
 
@@ -177,6 +177,52 @@ async def test_requests_the_passthrough_cannot_take_are_forwarded_by_copying_and
         lambda: echo_lines(server) if len(echo_lines(server)) >= 4 else None, 10,
         "the access lines are written")
     assert [r["worker_id"] for r in lines_logged] == [other] * 4, "once each, where received"
+
+
+async def test_under_a_root_path_a_passed_through_request_sees_what_a_direct_one_sees(
+    serve: Serve,
+) -> None:
+    server = serve(APP, 2, "--root-path", "/api")
+    cookie, holder = await seed(server, "rooted")
+    lines = await workers(server)
+    seen_by = {}
+    for worker in lines:
+        raw = await raw_on(server, lines, worker)
+        try:
+            raw.write(get("/echo", cookie))
+            status, _, seen = await raw.reply()
+        finally:
+            await raw.close()
+        assert (status, seen["worker"]) == (200, holder)
+        seen_by[worker] = {key: seen[key] for key in ("path", "root_path", "url_for")}
+    assert seen_by[holder] == {"path": "/api/echo", "root_path": "/api",
+                               "url_for": "http://tether/api/echo"}
+    (other,) = [w for w in lines if w != holder]
+    assert seen_by[other] == seen_by[holder]
+    assert (await workers(server))[other]["passed_through"] == 1
+
+
+async def test_a_request_that_arrives_inside_another_requests_unfinished_head_is_not_passed(
+    serve: Serve,
+) -> None:
+    """Bytes that look like a whole request but arrive while uvicorn's parser is inside
+    another request's head belong to that head: the passthrough must not take them."""
+    server = serve(APP, 2)
+    cookie, holder = await seed(server, "inside")
+    lines = await workers(server)
+    (other,) = [w for w in lines if w != holder]
+    raw = await raw_on(server, lines, other)
+    try:
+        raw.write(b"GET /echo?first HTTP/1.1\r\nhost: tether\r\nx-pad: ")
+        await asyncio.sleep(0.1)
+        raw.write(get("/echo?second", cookie))  # the rest of the first head
+        status, _, seen = await raw.reply()
+        assert (status, seen["worker"]) == (200, holder)
+    finally:
+        await raw.close()
+    after = await workers(server)
+    assert after[other]["passed_through"] == 0
+    assert after[other]["forwarded"] == 1
 
 
 @pytest.fixture

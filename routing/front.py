@@ -11,9 +11,11 @@ and the holder writes its access line (the hop header says so, hop.py).
 
 Everything else goes to uvicorn's protocol and the router as before, which forwards by
 copying what it must (forward.py): a request with no session, or this worker's, or
-another host's; a head or body that did not come in one read; a request with a body of
-unknown length, an upgrade (WebSocket), `expect`, or hop-by-hop or `x-forwarded-*`
-headers; a HEAD; and one whose holder's socket does not take it at once. A request
+another host's; a head or body that did not come in one read, or one that arrives while
+uvicorn's parser is inside another request; a body of unknown length; an upgrade
+(WebSocket), `expect`, hop-by-hop headers (but `connection: close`, which both ends then
+honour) or `x-forwarded-*`; a method other than GET, POST, PUT, PATCH, DELETE and OPTIONS;
+over `--limit-concurrency`; and one whose holder's socket does not take it at once. A request
 whose link fails before the reply's first byte is given to uvicorn's protocol too, with
 the bytes it came with, so the forwarder's retry and its 410 and 503 rules answer it.
 The head is read here only to pick the worker; the holder parses it again and decides
@@ -26,24 +28,31 @@ hop keeps its `tether forward` span, SPEC 9).
 
 from __future__ import annotations
 
+import http
 import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
+import structlog
 import uvicorn
-from starlette.types import Scope
+from starlette.types import Message, Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from tether.routing.hop import HOP_HEADER, LOG_HERE, hop_value
-from tether.routing.router import Router
+from tether.routing.errors import TetherError
+from tether.routing.hop import HOP_HEADER, hop_value
+from tether.routing.router import SCOPE_KEY, Router, session_gone
 from tether.routing.splice import Link, Links
 from tether.routing.types import WorkerId
+
+log = structlog.get_logger("tether.front")
 
 __all__ = ["Passthrough", "fits", "front_protocol", "head_scope"]
 
 PASSTHROUGH_MAX = 1 << 16
 """The largest request (head and body, in one read) that takes the passthrough."""
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""What the passthrough takes (not HEAD, whose reply has no body, nor CONNECT)."""
 _SPACES = b" \t"
 _NOT_PASSED = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
@@ -91,14 +100,24 @@ def head_scope(head: bytes, root_path: str) -> Scope | None:
 
 class _Spliced:
     """One request on the passthrough: its link, its bytes (for the copying path, should
-    the link fail first) and when it started (`tether_forward_seconds`)."""
+    the link fail before it could have been read), and what its access line and
+    `tether_forward_seconds` need."""
 
-    __slots__ = ("data", "front", "link", "sent", "started")
+    __slots__ = (
+        "data", "front", "link", "method", "path", "sent", "session_id", "started", "target",
+    )
 
-    def __init__(self, front: Any, link: Link, data: bytes, started: float) -> None:
+    def __init__(
+        self, front: Any, link: Link, data: bytes, scope: Scope, target: WorkerId,
+        started: float,
+    ) -> None:
         self.front = front
         self.link = link
         self.data = data
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.session_id: str | None = scope.get(SCOPE_KEY)
+        self.target = target
         self.started = started
         self.sent = False
 
@@ -138,53 +157,95 @@ class Passthrough:
         end = data.find(b"\r\n\r\n")
         if end < 0:
             return None
-        scope = head_scope(data[:end], front.root_path)
-        if scope is None or scope["method"] == "HEAD":
+        root = front.root_path
+        scope = head_scope(data[:end], root)
+        if scope is None or scope["method"] not in _METHODS:
             return None
-        length = 0
+        length = -1
         for name, value in scope["headers"]:
             if name in _NOT_PASSED:
+                if name == b"connection" and value.lower() == b"close":
+                    continue  # the holder's reply says so too, and both ends close
                 return None
             if name == b"content-length":
-                if not value.isdigit() or length:
-                    return None
+                if not value.isdigit() or length >= 0:
+                    return None  # (a second one: httptools would refuse it)
                 length = int(value)
-        if len(data) - end - 4 != length:
+        if len(data) - end - 4 != max(length, 0):
             return None  # a body still coming, or a second request behind this one
+        limit = front.limit_concurrency
+        if limit is not None and (len(front.connections) >= limit or len(front.tasks) >= limit):
+            return None  # uvicorn's protocol answers it 503
         router = self.router
         target = router.passthrough_target(scope)
         if target is None:
             return None
-        path = self.path_of(target)
-        link = self.links.get(path)
+        link = self.links.get(self.path_of(target))
         if link is None:
             return None
+        head = data[:end]
+        if root:  # the target as uvicorn gives it the router: `--root-path` in front
+            method, _, rest = head.partition(b" ")
+            head = b"%s %s%s" % (method, root.encode("ascii"), rest)
         hop = front.hop_value()
-        request = b"%s\r\n%s: %s\r\n\r\n%s" % (data[:end], HOP_HEADER, hop, data[end + 4 :])
-        spliced = _Spliced(front, link, data, started)
+        request = b"%s\r\n%s: %s\r\n\r\n%s" % (head, HOP_HEADER, hop, data[end + 4 :])
+        spliced = _Spliced(front, link, data, scope, target, started)
         if not link.send(request, spliced):
             return None
         router.stats.forwarded += 1
         router.stats.passed_through += 1
         return spliced
 
-    def finished(self, spliced: _Spliced, kept: bool) -> None:
-        """Time a request whose reply ended; keep its link if it may be reused."""
-        self.router.stats.observe_forward(time.perf_counter() - spliced.started)
-        if kept:
-            self.links.put(spliced.link)
+    def finished(self, spliced: _Spliced, status: int, kept: bool) -> None:
+        """A request whose reply ended (or was cut, `status` 0): time it, log it, and
+        keep its link if it may be reused."""
+        router = self.router
+        elapsed = time.perf_counter() - spliced.started
+        router.stats.observe_forward(elapsed)
+        link = spliced.link
+        if kept and not link.closed:
+            link.resume()  # (paused while the client was slow to read)
+            self.links.put(link)
         else:
-            spliced.link.close()
+            link.close()
+        if router.access_log:
+            router.log_request(spliced.method, spliced.path, status, spliced.session_id, elapsed)
 
-    def abandoned(self, spliced: _Spliced) -> None:
-        """A request whose link failed before its reply began: the copying path takes it
-        (and counts it)."""
-        spliced.link.close()
+    def retry(self, spliced: _Spliced) -> bool:
+        """Whether a request whose link failed before its reply began may be sent again
+        (the copying path then takes it, and counts it): only if the link was a kept-alive
+        one that answered nothing, which the holder closed before reading it (SPEC 4.5)."""
+        link = spliced.link
+        link.close()
+        if not link.reused or link.got_bytes:
+            return False
         self.router.stats.forwarded -= 1
         self.router.stats.passed_through -= 1
+        return True
+
+    def refusal(self, spliced: _Spliced, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The reply to a request whose link failed with it unanswered, as the copying
+        path would answer it: 410 if its holder is known dead now, else 503."""
+        router = self.router
+        if router.tables.is_live(spliced.target):
+            error = TetherError(
+                "claimant_unavailable", f"the claimant {spliced.target} closed the connection"
+            )
+        else:
+            error = session_gone(spliced.session_id)  # type: ignore[arg-type]
+        return encode_reply(router.refusal(error), default_headers)
 
     def close(self) -> None:
         self.links.close()
+
+
+def encode_reply(messages: list[Message], default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """An HTTP/1.1 reply from ASGI messages whose start names its content-length."""
+    start, *bodies = messages
+    status: int = start["status"]
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, http.HTTPStatus(status).phrase.encode())]
+    lines += [b"%s: %s\r\n" % pair for pair in (*default_headers, *start["headers"])]
+    return b"".join([*lines, b"\r\n", *(m.get("body", b"") for m in bodies)])
 
 
 def fits(config: uvicorn.Config) -> bool:
@@ -202,13 +263,15 @@ def fits(config: uvicorn.Config) -> bool:
 
 
 def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol that offers each request on an idle connection to
-    `passthrough` first."""
+    """uvicorn's httptools protocol that offers each request that starts on an idle
+    connection, between two messages, to `passthrough` first."""
 
     class FrontProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._spliced: _Spliced | None = None
+            self._in_message = False
+            """uvicorn's parser is inside a request (a head or body it has not all of)."""
             self._held: list[bytes] = []
             self._held_size = 0
             self._paused = False
@@ -222,9 +285,15 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                     "client": self.client, "server": self.server,
                     "scheme": self.scheme, "root_path": self.root_path,
                 })
-                if passthrough.router.access_log:
-                    self._hop = LOG_HERE + self._hop  # the holder writes the access line
             return self._hop
+
+        def on_message_begin(self) -> None:
+            self._in_message = True
+            super().on_message_begin()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_message = False
 
         def data_received(self, data: bytes) -> None:
             if self._spliced is not None:
@@ -235,10 +304,17 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                     self._paused = True
                 return
             cycle = self.cycle
-            if (cycle is None or (cycle.response_complete and not cycle.more_body)) and (
-                not self.pipeline
+            if (
+                not self._in_message
+                and (cycle is None or cycle.response_complete)
+                and not self.pipeline
+                and not self.flow.write_paused
             ):
-                spliced = passthrough.start(self, data)
+                try:
+                    spliced = passthrough.start(self, data)
+                except Exception:  # (out of file descriptors, say): uvicorn's way answers
+                    log.exception("passthrough_failed")
+                    spliced = None
                 if spliced is not None:
                     self._unset_keepalive_if_required()
                     self._spliced = spliced
@@ -248,7 +324,11 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
         def spliced(self, spliced: _Spliced, keep_alive: bool) -> None:
             """The spliced request's reply is complete."""
             self._spliced = None
-            passthrough.finished(spliced, keep_alive)
+            passthrough.finished(spliced, spliced.link.status, keep_alive)
+            self._next(keep_alive)
+
+        def _next(self, keep_alive: bool) -> None:
+            """After a reply this protocol wrote: close, or wait for the next request."""
             self.server_state.total_requests += 1
             if not keep_alive or self._closing:
                 self.transport.close()
@@ -267,19 +347,28 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             return held
 
         def splice_lost(self, spliced: _Spliced) -> None:
-            """The link failed: before the reply began, the router serves the request
-            from its bytes; after, the client connection is cut (as forward.py does)."""
+            """The link failed. After the reply began, the client connection is cut (as
+            forward.py does); before, the request is sent again the copying way if it
+            cannot have been read, else answered 410 or 503 as copying would."""
             self._spliced = None
             if spliced.sent:
+                passthrough.finished(spliced, 0, False)
                 self.transport.abort()
                 return
-            passthrough.abandoned(spliced)
-            super().data_received(spliced.data + self._take_held())
+            if passthrough.retry(spliced):
+                super().data_received(spliced.data + self._take_held())
+                if self._closing:
+                    super().shutdown()
+                return
+            reply = passthrough.refusal(spliced, self.server_state.default_headers)
+            passthrough.finished(spliced, int(reply[9:12]), False)
+            self.transport.write(reply)
+            self._next(True)
 
         def connection_lost(self, exc: Exception | None) -> None:
             spliced, self._spliced = self._spliced, None
             if spliced is not None:
-                spliced.link.close()  # the holder sees the client leave
+                passthrough.finished(spliced, 0, False)  # closes the link: the holder sees it
             super().connection_lost(exc)
 
         def shutdown(self) -> None:
@@ -289,15 +378,13 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             super().shutdown()
 
         def pause_writing(self) -> None:
+            super().pause_writing()
             if self._spliced is not None:
                 self._spliced.link.pause()
-            else:
-                super().pause_writing()
 
         def resume_writing(self) -> None:
+            super().resume_writing()
             if self._spliced is not None:
                 self._spliced.link.resume()
-            else:
-                super().resume_writing()
 
     return FrontProtocol

@@ -13,9 +13,6 @@ a `%` or anything but printable ASCII is percent-encoded. Only the private socke
 header; the public side never passes a copy on (`forward.py` drops it) nor lets the app see
 one (the router strips it), so a client cannot forge its address.
 
-A request the passthrough sent (front.py) has one more token in front, `log`: its
-access line is the holder's to write, since the worker that received it writes none.
-
 On a hop between hosts (to a worker's TCP hop listener, `PrivateServer.tcp`) the value
 starts with one more token, the signature (`<unix seconds>.<nonce>.<hex HMAC>`,
 hopsign.py), and a space: `<signature> <the six fields>`. The listener takes it off with
@@ -39,8 +36,6 @@ __all__ = [
 ]
 
 HOP_HEADER = b"x-tether-hop"
-LOG_HERE = b"log "
-"""Starts the hop header's value when the holder writes the request's access line."""
 _SAFE = "!\"#$&'()*+,/:;<=>?@[\\]^_`{|}~"
 
 
@@ -84,36 +79,30 @@ def take_signature(scope: Scope) -> str | None:
     return signature.decode("latin-1")
 
 
-def take_hop(scope: Scope) -> bool:
+def take_hop(scope: Scope) -> None:
     """On the private socket: remove the hop header the forwarder put last and restore
-    the caller it names into the scope. A missing or malformed header changes nothing.
-    True if the value started with `log` (this worker writes the access line)."""
+    the caller it names into the scope. A missing or malformed header changes nothing."""
     headers = scope["headers"]
     if not headers or headers[-1][0] != HOP_HEADER:
-        return False
+        return
     scope["headers"] = headers[:-1]
-    value: bytes = headers[-1][1]
-    log_here = value.startswith(LOG_HERE)
-    if log_here:
-        value = value[len(LOG_HERE) :]
-    fields = value.decode("latin-1").split(" ")
+    fields = headers[-1][1].decode("latin-1").split(" ")
     if len(fields) == 5:
         # An empty root path ends the value with a space, which a parser may strip as
         # trailing whitespace (websockets' handshake parser does).
         fields.append("")
     if len(fields) != 6:
-        return log_here
+        return
     scheme, client_host, client_port, server_host, server_port, root_path = fields
     try:
         client = (unquote(client_host), int(client_port)) if client_host else None
         server = (unquote(server_host), int(server_port) if server_port else None)
     except ValueError:
-        return log_here
+        return
     scope["scheme"] = scheme
     scope["client"] = client
     scope["server"] = server if server_host else None
     scope["root_path"] = unquote(root_path)
-    return log_here
 
 
 def strip_hop(scope: Scope) -> None:

@@ -67,16 +67,17 @@ class CookieCodec:
         """The session in a cookie value, or None where `SessionMiddleware` would reject it.
 
         A value that verified is remembered for `VERIFIED_S` (every request of a session
-        names it, and the signature check is most of a routing decision's cost); so a
-        cookie past its `max_age` may still route for that long (the app's own
-        `SessionMiddleware` still refuses it)."""
+        names it, and the signature check is most of a routing decision's cost), and
+        never past the cookie's own `max_age`."""
         now = time.monotonic()
         verified = self._verified
         known = verified.get(value)
         if known is not None and known[0] > now:
             return dict(known[1])
         try:
-            data = self.signer.unsign(value.encode("utf-8"), max_age=self.max_age)
+            data, signed_at = self.signer.unsign(
+                value.encode("utf-8"), max_age=self.max_age, return_timestamp=True
+            )
             session = json.loads(b64decode(data))
         except (BadSignature, ValueError, UnicodeError):
             return None
@@ -84,7 +85,10 @@ class CookieCodec:
             return None
         if len(verified) >= VERIFIED_MAX:
             verified.clear()
-        verified[value] = (now + VERIFIED_S, session)
+        keep = VERIFIED_S
+        if self.max_age is not None:  # never past the cookie's own expiry
+            keep = min(keep, signed_at.timestamp() + self.max_age - time.time())
+        verified[value] = (now + keep, session)
         return dict(session)
 
     def encode(self, session: dict[str, Any]) -> str:

@@ -180,8 +180,8 @@ class Router:
     def log_request(
         self, method: str, path: str, status: int, session_id: str | None, seconds: float
     ) -> None:
-        """The one access log line of a request: written by the worker that received it,
-        or for one the passthrough sent (front.py), by the one that served it."""
+        """The one access log line of a request, written by the worker that received it
+        (for one the passthrough sent, once its reply ended: front.py)."""
         log.info("request", method=method, path=path, status=status, session_id=session_id,
                  ms=round(seconds * 1000, 3))
 
@@ -198,11 +198,8 @@ class Router:
             await self.app(scope, receive, send)
             return
         self.stats.served_forwarded += 1
-        # The caller as the receiving worker saw it; logged here if the passthrough sent it.
-        if take_hop(scope) and self.access_log:
-            await self._logged(scope, receive, send, forwarded=True)
-        else:
-            await self._route(scope, receive, send, forwarded=True)
+        take_hop(scope)  # the caller as the receiving worker saw it
+        await self._route(scope, receive, send, forwarded=True)
 
     def ended(self, session_id: SessionId) -> None:
         """The app ended a session under a route its kind does not name."""
@@ -276,6 +273,23 @@ class Router:
             return error
         return self._to_owner(session_id, owner)
 
+    def refusal(self, error: TetherError) -> list[Message]:
+        """The ASGI messages that refuse a request with `error` (as `_refuse` sends them:
+        JSON, or JSON-RPC under the MCP preset), for a caller that writes replies itself
+        (front.py)."""
+        messages: list[Message] = []
+
+        async def collect(message: Message) -> None:
+            messages.append(message)
+
+        refusing = self._refuse(collect, error)
+        try:
+            refusing.send(None)
+        except StopIteration:
+            return messages
+        refusing.close()
+        raise RuntimeError("a refusal waited")  # (it never does: `collect` does not)
+
     def _to_owner(
         self, session_id: SessionId, owner: WorkerId | None
     ) -> WorkerId | TetherError | None:
@@ -291,7 +305,7 @@ class Router:
         """The worker of this host whose private socket the passthrough (front.py) may
         send a request with this head to: the live one that holds its session, when that
         is known without waiting (this worker's memory, a claim file, the placed-session
-        table). None: the request goes through
+        table); the session's ID is then in the scope. None: the request goes through
         `__call__`, where `destination` decides as for any request."""
         kind, claims = self.kind, self.claims
         if kind is None or claims is None:
@@ -314,6 +328,7 @@ class Router:
         where = self._to_owner(session_id, owner)
         if not isinstance(where, str) or where in self.tables.addresses:
             return None  # refused, served here, or another host's worker
+        scope[SCOPE_KEY] = session_id
         return where
 
     async def _locate(self, session_id: SessionId) -> WorkerId | None:

@@ -38,8 +38,8 @@ class Link:
     """One connection to a worker's private socket."""
 
     __slots__ = (
-        "closed", "complete", "final", "idle_since", "keep_alive", "loop", "parser", "path",
-        "paused", "pool", "reader", "sock", "status",
+        "closed", "complete", "final", "got_bytes", "idle_since", "keep_alive", "loop",
+        "parser", "path", "paused", "pool", "reader", "reused", "sock", "status",
     )
 
     def __init__(
@@ -58,6 +58,10 @@ class Link:
         self.keep_alive = False
         self.closed = False
         self.paused = False
+        self.reused = False
+        """The current request went on a link kept from an earlier one."""
+        self.got_bytes = False
+        """The current request's reply has begun to arrive (perhaps unparseable)."""
         # Watched for as long as it is open: an idle link that turns readable was closed.
         loop.add_reader(sock.fileno(), self._readable)
 
@@ -65,6 +69,7 @@ class Link:
         """Write the whole request and wait for its reply; False if the socket would not
         take all of it at once (the link is then closed)."""
         self.status, self.final, self.complete, self.keep_alive = 0, False, False, False
+        self.got_bytes = False
         try:
             sent = self.sock.send(request)
         except OSError:
@@ -109,6 +114,7 @@ class Link:
             if reader is not None:
                 reader.lost(self)
             return
+        self.got_bytes = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -147,6 +153,7 @@ class Links:
         while idle:
             link = idle.pop()
             if now - link.idle_since <= IDLE_S:
+                link.reused = True
                 return link
             link.close()  # (idle is the pool's own list: close's forget finds it gone)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -9,7 +9,7 @@ import httpx
 from tests.routing.apps import session_app
 from tests.routing.conftest import Cluster, Node
 from tether.routing.forward import HOP_BY_HOP
-from tether.routing.hop import HOP_HEADER, LOG_HERE, hop_value, take_hop
+from tether.routing.hop import HOP_HEADER, hop_value, take_hop
 from tether.routing.types import SessionId
 
 HOP = HOP_HEADER.decode()
@@ -121,15 +121,3 @@ def test_hop_value_round_trips_unusual_callers() -> None:
         take_hop(scope)
         assert scope == sent
 
-
-def test_a_hop_value_marked_log_asks_the_holder_for_the_access_line_and_keeps_the_caller() -> None:
-    sent: dict[str, Any] = {
-        "scheme": "http", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
-        "root_path": "", "headers": [(b"host", b"h")],
-    }
-    value = hop_value(sent)
-    marked: dict[str, Any] = {"headers": [(b"host", b"h"), (HOP_HEADER, LOG_HERE + value)]}
-    plain: dict[str, Any] = {"headers": [(b"host", b"h"), (HOP_HEADER, hop_value(sent))]}
-    assert take_hop(marked) is True
-    assert take_hop(plain) is False
-    assert marked == plain == sent
