@@ -3,6 +3,9 @@ each test (nothing of the group may be left)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -44,3 +47,16 @@ def serve() -> Iterator[Serve]:
     problems = [problem for server in servers for problem in server.shutdown()]
     if problems:
         pytest.fail("\n".join(problems))
+
+
+@pytest.fixture
+def certificate() -> Iterator[tuple[str, str]]:
+    """A self-signed key and certificate for localhost, made for this test."""
+    with tempfile.TemporaryDirectory(prefix="te-tls-") as directory:
+        key, cert = os.path.join(directory, "key.pem"), os.path.join(directory, "cert.pem")
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=localhost", "-keyout", key, "-out", cert],
+            check=True, capture_output=True,
+        )
+        yield key, cert

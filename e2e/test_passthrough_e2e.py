@@ -9,9 +9,6 @@ import json
 import os
 import signal
 import ssl
-import subprocess
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -225,17 +222,6 @@ async def test_a_request_that_arrives_inside_another_requests_unfinished_head_is
     assert after[other]["forwarded"] == 1
 
 
-@pytest.fixture
-def certificate() -> Iterator[tuple[str, str]]:
-    """A self-signed key and certificate for localhost, made for this test."""
-    with tempfile.TemporaryDirectory(prefix="te-tls-") as directory:
-        key, cert = os.path.join(directory, "key.pem"), os.path.join(directory, "cert.pem")
-        subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-             "-subj", "/CN=localhost", "-keyout", key, "-out", cert],
-            check=True, capture_output=True,
-        )
-        yield key, cert
 
 
 async def test_under_tls_requests_of_another_workers_session_are_forwarded_by_copying(

@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import subprocess
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,17 +79,6 @@ async def test_no_proxy_headers_keeps_the_connecting_address(serve: Serve) -> No
         assert seen["client"][0] == "127.0.0.1"
 
 
-@pytest.fixture
-def certificate() -> Iterator[tuple[str, str]]:
-    """A self-signed key and certificate for localhost, made for this test."""
-    with tempfile.TemporaryDirectory(prefix="te-tls-") as directory:
-        key, cert = os.path.join(directory, "key.pem"), os.path.join(directory, "cert.pem")
-        subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-             "-subj", "/CN=localhost", "-keyout", key, "-out", cert],
-            check=True, capture_output=True,
-        )
-        yield key, cert
 
 
 async def test_tls_serves_https_and_forwarded_requests_see_https(
