@@ -70,11 +70,11 @@ class FileClaimStore:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self._prefix = os.path.join(directory, "")
         os.makedirs(directory, mode=0o700, exist_ok=True)
 
     def _path(self, session_id: SessionId) -> str:
-        digest = hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
-        return os.path.join(self.directory, digest)
+        return self._prefix + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
 
     async def claim(
         self, session_id: SessionId, worker: WorkerId, *, fresh: bool = False

@@ -28,6 +28,7 @@ hop keeps its `tether forward` span, SPEC 9).
 
 from __future__ import annotations
 
+import asyncio
 import http
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from tether.routing.hop import HOP_HEADER, hop_value
 from tether.routing.router import SCOPE_KEY, Router, session_gone
 from tether.routing.splice import Link, Links
 from tether.routing.types import WorkerId
+from tether.routing.writes import JoinedWrites
 
 log = structlog.get_logger("tether.front")
 
@@ -131,7 +133,7 @@ class _Spliced:
                     b"%s: %s\r\n" % pair for pair in front.server_state.default_headers
                 )
                 data = data[:end] + extra + data[end:]
-        front.transport.write(data)
+        front.raw_transport.write(data)
         if link.complete:
             front.spliced(self, link.keep_alive)
 
@@ -146,6 +148,7 @@ class Passthrough:
         """`path_of`: a worker's private socket."""
         self.router = router
         self.path_of = path_of
+        self._paths: dict[WorkerId, str] = {}
         self.links = Links()
 
     def start(self, front: Any, data: bytes) -> _Spliced | None:
@@ -180,7 +183,10 @@ class Passthrough:
         target = router.passthrough_target(scope)
         if target is None:
             return None
-        link = self.links.get(self.path_of(target))
+        path = self._paths.get(target)
+        if path is None:
+            path = self._paths[target] = self.path_of(target)
+        link = self.links.get(path)
         if link is None:
             return None
         head = data[:end]
@@ -277,6 +283,12 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             self._paused = False
             self._hop: bytes | None = None
             self._closing = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self.raw_transport = transport
+            """The client's own transport: a spliced reply's bytes come in pieces worth
+            writing at once."""
+            super().connection_made(JoinedWrites(transport, self.loop))
 
         def hop_value(self) -> bytes:
             """The hop header's value for this connection's caller (hop.py)."""

@@ -131,6 +131,9 @@ class CookieCodec:
         )
 
 
+ROUTES_REMEMBERED = 1024
+
+
 class Routes:
     """A set of routes, each `/path` (any method) or `METHOD /path`, bare or under a prefix;
     a `{session_id}` segment matches any one segment (`DELETE /api/kernels/{session_id}`)."""
@@ -150,9 +153,19 @@ class Routes:
         self._method_re = {
             m: re.compile(f"{head}(?:{'|'.join(paths)})") for m, paths in self._methods.items()
         }
+        self._answers: dict[tuple[str, str], bool] = {}
+        """Requests asked about lately (each route is asked about on every request)."""
 
     def __contains__(self, request: tuple[str, str]) -> bool:
-        method, path = request
+        answer = self._answers.get(request)
+        if answer is None:
+            answer = self._matches(*request)
+            if len(self._answers) >= ROUTES_REMEMBERED:
+                self._answers.clear()
+            self._answers[request] = answer
+        return answer
+
+    def _matches(self, method: str, path: str) -> bool:
         if self._any_re is not None and self._any_re.fullmatch(path):
             return True
         pattern = self._method_re.get(method)
@@ -205,6 +218,16 @@ class SessionKind:
 
     def with_close_window(self, seconds: float) -> SessionKind:
         return replace(self, close_window_s=seconds)
+
+    @cached_property
+    def header_names(self) -> tuple[bytes | None, bytes | None, bytes]:
+        """The ID header, the token header and the close-follows header, encoded as a
+        scope's header names are (read on every request)."""
+        return (
+            self.header.encode() if self.header else None,
+            self.token_header.encode() if self.token_header else None,
+            self.close_follows_header.encode(),
+        )
 
     @cached_property
     def path_pattern(self) -> re.Pattern[str] | None:

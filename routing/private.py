@@ -37,6 +37,7 @@ from tether.routing.hop import take_signature
 from tether.routing.hopsign import FULL, HopVerifier, request_target
 from tether.routing.relay import send_denial
 from tether.routing.types import WorkerId
+from tether.routing.writes import JoinedWrites
 
 __all__ = ["PrivateServer"]
 
@@ -205,7 +206,7 @@ class PrivateServer:
                     if sock is not None:
                         with contextlib.suppress(OSError):
                             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                super().connection_made(transport)
+                super().connection_made(JoinedWrites(transport, self.loop))
 
         return PrivateProtocol
 

@@ -6,6 +6,7 @@ on seed and close routes, capped, and replayed to the app unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,9 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
     found = Found()
     header_id = token_id = None
     cookie_header = None
-    kind_header = kind.header.encode() if kind and kind.header else None
-    token_header = kind.token_header.encode() if kind and kind.token_header else None
-    follows_header = kind.close_follows_header.encode() if kind else None
+    kind_header, token_header, follows_header = (
+        kind.header_names if kind is not None else (None, None, None)
+    )
     for name, value in scope["headers"]:
         if name == b"cookie":
             if cookie_header is None:
@@ -65,7 +66,7 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
     if kind is None:
         return found
     if cookie_header is not None and kind.cookie is not None:
-        value = cookie_parser(cookie_header.decode("latin-1")).get(kind.cookie.name)
+        value = _cookie_value(cookie_header, kind.cookie.name)
         if value is not None:
             found.cookie_session = kind.cookie.decode(value)
             if found.cookie_session is not None:
@@ -86,6 +87,13 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
 
 
 WORKER_HEADER_BYTES = WORKER_HEADER.encode()
+
+
+@functools.lru_cache(maxsize=4096)
+def _cookie_value(header: bytes, name: str) -> str | None:
+    """The value of cookie `name` in a `cookie` header, parsed as Starlette parses it
+    (a session's requests repeat one header, so the parse is remembered)."""
+    return cookie_parser(header.decode("latin-1")).get(name)
 
 
 def route_path(scope: Scope) -> str:

@@ -144,10 +144,10 @@ class Links:
 
     def __init__(self) -> None:
         self._idle: dict[str, list[Link]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def get(self, path: str) -> Link | None:
         """An idle link to `path`, else a new one; None if none connects at once."""
-        loop = asyncio.get_running_loop()
         idle = self._idle.get(path)
         now = time.monotonic()
         while idle:
@@ -156,6 +156,9 @@ class Links:
                 link.reused = True
                 return link
             link.close()  # (idle is the pool's own list: close's forget finds it gone)
+        loop = self._loop
+        if loop is None:  # (made before the loop runs; asking costs a system call)
+            loop = self._loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
