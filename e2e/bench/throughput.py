@@ -6,9 +6,11 @@ Run from the repository root (about a minute)::
 
     .venv/bin/python -m e2e.bench.throughput [--seconds 10] [--rounds 2] [--no-doc]
 
-Each round runs `tether serve e2e.bench.throughput_app:app --workers 4` and then
+Each round runs `tether serve e2e.bench.throughput_app:app --workers 4`, then
 `uvicorn e2e.bench.throughput_app:app --workers 4` (both without access logs, so the
-figure is routing's cost, not logging's), each driven for `--seconds` by the client of
+figure is routing's cost, not logging's), then the splice floor of
+`e2e/bench/splice_floor.py` (the passthrough's design with a free routing decision and
+no router: how close the design itself can come), each driven for `--seconds` by the client of
 `e2e/bench/load_client.py` in its own process: 64 kept-alive connections, one request at
 a time on each, `GET /count` with the signed session cookie of one of 1,000 sessions
 picked at random per request. With 4 workers three requests in four reach a worker that
@@ -101,6 +103,24 @@ def start_uvicorn(log_dir: str) -> tuple[subprocess.Popen[bytes], int]:
     raise RuntimeError("uvicorn did not start its workers within 60 s")
 
 
+def start_floor(log_dir: str) -> tuple[subprocess.Popen[bytes], int]:
+    """The splice floor (e2e/bench/splice_floor.py) with as many processes as workers."""
+    runtime = tempfile.mkdtemp(prefix="floor-", dir="/tmp")
+    log = open(os.path.join(log_dir, "floor.log"), "wb")  # noqa: SIM115 (the process's)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "e2e.bench.splice_floor", str(WORKERS), runtime],
+        cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+        start_new_session=True,
+    )
+    log.close()
+    assert process.stdout is not None
+    line = process.stdout.readline().decode()
+    if not line.startswith("port "):
+        stop(process)
+        raise RuntimeError("the splice floor did not start")
+    return process, int(line.split()[1])
+
+
 def group_cpu(root: int) -> float:
     """CPU seconds of `root` and every process in its session (the server's workers)."""
     total = 0.0
@@ -134,7 +154,7 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
     log_dir = tempfile.mkdtemp(prefix="tp-", dir="/tmp")
     cookie_file = os.path.join(log_dir, "cookies")
     Path(cookie_file).write_text("\n".join(cookies(SESSIONS)) + "\n", encoding="latin-1")
-    runs: dict[str, list[dict[str, Any]]] = {"tether": [], "uvicorn": []}
+    runs: dict[str, list[dict[str, Any]]] = {"tether": [], "uvicorn": [], "splice floor": []}
     exits: list[int] = []
     ticks_before = cpu_ticks()
     try:
@@ -150,6 +170,11 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
                 runs["uvicorn"].append(drive(port, seconds, cookie_file, plain.pid))
             finally:
                 exits.append(stop(plain))
+            floor, port = start_floor(log_dir)
+            try:
+                runs["splice floor"].append(drive(port, seconds, cookie_file, floor.pid))
+            finally:
+                exits.append(stop(floor))
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     ticks_after = cpu_ticks()
@@ -161,6 +186,7 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
     measured = {name: statistics.median(r["requests_per_s"] for r in rs)
                 for name, rs in runs.items()}
     ratio = round(measured["tether"] / measured["uvicorn"], 3)
+    floor_ratio = round(measured["splice floor"] / measured["uvicorn"], 3)
     checks = {
         "errors": sum(r["errors"] for rs in runs.values() for r in rs),
         "lost_connections": sum(r["lost_connections"] for rs in runs.values() for r in rs),
@@ -186,6 +212,8 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
         "setup": {
             "tether": f"tether serve {APP} --workers {WORKERS} --port 0 --no-access-log",
             "uvicorn": f"uvicorn {APP} --workers {WORKERS} --no-access-log",
+            "splice floor": f"e2e/bench/splice_floor.py: {WORKERS} uvicorn processes, "
+            "the passthrough's splice with a crc32 of the cookie for a routing decision",
             "client": f"e2e/bench/load_client.py: {CONNECTIONS} kept-alive connections, "
             f"GET /count of a random session of {SESSIONS}, {WARMUP_S:g} s warm-up",
             "seconds": seconds,
@@ -193,6 +221,7 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
         "runs": runs,
         "requests_per_s": measured,
         "tether_over_uvicorn": ratio,
+        "splice_floor_over_uvicorn": floor_ratio,
         "target": {"tether_over_uvicorn": TARGET, "pass": ratio >= TARGET},
         "checks": checks,
     }
@@ -216,6 +245,8 @@ def table(result: dict[str, Any]) -> str:
         "| --- | ---: | ---: | --- |",
         f"| tether ÷ uvicorn | {result['tether_over_uvicorn']:.3f} | ≥ {TARGET} | "
         f"{'pass' if target['pass'] else 'FAIL'} |",
+        f"| splice floor ÷ uvicorn (the design with no routing work; no target) | "
+        f"{result['splice_floor_over_uvicorn']:.3f} | | |",
     ]
     return "\n".join(lines)
 
