@@ -100,6 +100,24 @@ def head_scope(head: bytes, root_path: str) -> Scope | None:
     }
 
 
+class _HeaderLines:
+    """uvicorn's default headers (`date`, `server`) as header lines; uvicorn replaces
+    their list once a second, and the lines are made again only then."""
+
+    def __init__(self) -> None:
+        self._of: list[tuple[bytes, bytes]] | None = None
+        self._lines = b""
+
+    def __call__(self, headers: list[tuple[bytes, bytes]]) -> bytes:
+        if headers is not self._of:
+            self._lines = b"".join(b"%s: %s\r\n" % pair for pair in headers)
+            self._of = headers
+        return self._lines
+
+
+_header_lines = _HeaderLines()
+
+
 class _Spliced:
     """One request on the passthrough: its link, its bytes (for the copying path, should
     the link fail before it could have been read), and what its access line and
@@ -129,10 +147,7 @@ class _Spliced:
             self.sent = True
             end = data.find(b"\r\n") + 2  # after the status line (uvicorn writes it whole)
             if end > 1:
-                extra = b"".join(
-                    b"%s: %s\r\n" % pair for pair in front.server_state.default_headers
-                )
-                data = data[:end] + extra + data[end:]
+                data = data[:end] + _header_lines(front.server_state.default_headers) + data[end:]
         front.raw_transport.write(data)
         if link.complete:
             front.spliced(self, link.keep_alive)

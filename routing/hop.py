@@ -22,6 +22,8 @@ same on both kinds of hop, and a same-host hop pays nothing for it.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
 from urllib.parse import quote, unquote
 
 from starlette.types import Scope
@@ -86,23 +88,29 @@ def take_hop(scope: Scope) -> None:
     if not headers or headers[-1][0] != HOP_HEADER:
         return
     scope["headers"] = headers[:-1]
-    fields = headers[-1][1].decode("latin-1").split(" ")
+    caller = _caller(headers[-1][1])
+    if caller is not None:
+        scope["scheme"], scope["client"], scope["server"], scope["root_path"] = caller
+
+
+@functools.lru_cache(maxsize=4096)
+def _caller(value: bytes) -> tuple[str, Any, Any, str] | None:
+    """Scheme, client, server and root path from a hop header's value; None if it is
+    malformed. (Every request of one client connection carries the same value.)"""
+    fields = value.decode("latin-1").split(" ")
     if len(fields) == 5:
         # An empty root path ends the value with a space, which a parser may strip as
         # trailing whitespace (websockets' handshake parser does).
         fields.append("")
     if len(fields) != 6:
-        return
+        return None
     scheme, client_host, client_port, server_host, server_port, root_path = fields
     try:
         client = (unquote(client_host), int(client_port)) if client_host else None
         server = (unquote(server_host), int(server_port) if server_port else None)
     except ValueError:
-        return
-    scope["scheme"] = scheme
-    scope["client"] = client
-    scope["server"] = server if server_host else None
-    scope["root_path"] = unquote(root_path)
+        return None
+    return scheme, client, server if server_host else None, unquote(root_path)
 
 
 def strip_hop(scope: Scope) -> None:

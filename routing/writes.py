@@ -14,6 +14,9 @@ from typing import Any
 
 __all__ = ["JoinedWrites"]
 
+JOIN_MAX = 1 << 16
+"""A write over this is not copied onto the held one."""
+
 
 class JoinedWrites(asyncio.Transport):
     """Wraps a transport: what `write` is given goes out at the next write or at the end
@@ -38,7 +41,10 @@ class JoinedWrites(asyncio.Transport):
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
-        self._transport.write(held + data)
+        if len(data) <= JOIN_MAX:
+            self._transport.write(held + data)
+        else:  # (uvloop writes the two with one writev, without copying the big one)
+            self._transport.writelines((held, data))
 
     def _write_held(self) -> None:
         self._flush = None

@@ -66,6 +66,13 @@ async def test_a_head_and_body_written_in_one_turn_leave_as_one_write(pair: _Pai
     assert await _read(pair.peer, 40) == b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 
 
+async def test_a_big_body_follows_the_held_head_in_order(pair: _Pair) -> None:
+    body = bytes(range(256)) * 1024  # 256 KiB, over JoinedWrites' copy limit
+    pair.joined.write(b"head:")
+    pair.joined.write(body)
+    assert await _read(pair.peer, 5 + len(body)) == b"head:" + body
+
+
 async def test_a_lone_write_leaves_when_the_turn_ends(pair: _Pair) -> None:
     pair.joined.write(b"head")
     assert pair.sends == 0 and pair.joined.get_write_buffer_size() == 4
