@@ -13,11 +13,12 @@ Everything else goes to uvicorn's protocol and the router as before, which forwa
 copying what it must (forward.py): a request with no session, or this worker's, or
 another host's; a head or body that did not come in one read, or one that arrives while
 uvicorn's parser is inside another request; a body of unknown length; an upgrade
-(WebSocket), `expect`, hop-by-hop headers (but `connection: close`, which both ends then
-honour) or `x-forwarded-*`; a method other than GET, POST, PUT, PATCH, DELETE and OPTIONS;
-over `--limit-concurrency`; and one whose holder's socket does not take it at once. A request
-whose link fails before the reply's first byte is given to uvicorn's protocol too, with
-the bytes it came with, so the forwarder's retry and its 410 and 503 rules answer it.
+(WebSocket), `expect`, hop-by-hop headers (but `connection: keep-alive`, which is left
+out, and `connection: close`, which both ends then honour) or `x-forwarded-*`; a method
+other than GET, POST, PUT, PATCH, DELETE and OPTIONS; over `--limit-concurrency`; and one
+whose holder's socket does not take it at once. A request whose link fails before the
+reply's first byte is given to uvicorn's protocol too, with the bytes it came with, so
+the forwarder's retry and its 410 and 503 rules answer it.
 The head is read here only to pick the worker; the holder parses it again and decides
 by itself (SPEC 4.2: what arrives on a private socket is served there).
 
@@ -100,6 +101,17 @@ def head_scope(head: bytes, root_path: str) -> Scope | None:
     }
 
 
+def _without_keep_alive(head: bytes) -> bytes:
+    """A request head without its `connection: keep-alive` lines: hop-by-hop, so not
+    forwarded (SPEC 4.5), as the copying path leaves them out too."""
+    kept = []
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() != b"connection" or value.strip(_SPACES).lower() != b"keep-alive":
+            kept.append(line)
+    return b"\r\n".join(kept)
+
+
 class _HeaderLines:
     """uvicorn's default headers (`date`, `server`) as header lines; uvicorn replaces
     their list once a second, and the lines are made again only then."""
@@ -180,11 +192,17 @@ class Passthrough:
         if scope is None or scope["method"] not in _METHODS:
             return None
         length = -1
+        said_keep_alive = False
         for name, value in scope["headers"]:
             if name in _NOT_PASSED:
-                if name == b"connection" and value.lower() == b"close":
-                    continue  # the holder's reply says so too, and both ends close
-                return None
+                if name != b"connection":
+                    return None
+                token = value.lower()
+                if token == b"keep-alive":  # what HTTP/1.1 means anyway; not passed on
+                    said_keep_alive = True
+                elif token != b"close":  # (the holder's reply says so too; both ends close)
+                    return None
+                continue
             if name == b"content-length":
                 if not value.isdigit() or length >= 0:
                     return None  # (a second one: httptools would refuse it)
@@ -205,6 +223,8 @@ class Passthrough:
         if link is None:
             return None
         head = data[:end]
+        if said_keep_alive:
+            head = _without_keep_alive(head)
         if root:  # the target as uvicorn gives it the router: `--root-path` in front
             method, _, rest = head.partition(b" ")
             head = b"%s %s%s" % (method, root.encode("ascii"), rest)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
+from tether.routing.front import front_protocol
 from tether.routing.kinds import SessionKind, declared_kind
 from tether.routing.types import WorkerId
 from tether.routing.worker import RoutingWorker
@@ -56,9 +57,11 @@ class Cluster:
         single: bool = False,
         access_log: bool = False,
         root_path: str = "",
+        front: bool = False,
     ) -> Node:
         """Start a worker; its public server trusts proxy headers from 127.0.0.1 and serves
-        under `root_path` (uvicorn's `--root-path`)."""
+        under `root_path` (uvicorn's `--root-path`); with `front`, it runs the passthrough
+        (routing/front.py) as `tether serve` does."""
         routing = RoutingWorker(
             app,
             kind=kind or declared_kind(app),
@@ -74,6 +77,9 @@ class Cluster:
             routing.router, lifespan="off", access_log=False, log_config=None, http="httptools",
             interface="asgi3", root_path=root_path, forwarded_allow_ips="127.0.0.1",
         )
+        if front:
+            assert routing.passthrough is not None
+            config.http = front_protocol(routing.passthrough)
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)

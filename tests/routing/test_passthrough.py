@@ -1,0 +1,54 @@
+"""The passthrough (routing/front.py) in-process: real workers on real sockets, the
+receiving one running `FrontProtocol` as `tether serve` does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.routing.apps import session_app
+from tests.routing.conftest import Cluster, Node
+from tests.routing.test_hop import seeded, whoami
+from tether.routing.forward import HOP_BY_HOP
+from tether.routing.writes import JoinedWrites
+
+
+def transports(node: Node, private: bool = False) -> list[Any]:
+    """The transports uvicorn's protocols write to: of `node`'s public server's open
+    connections, or of its private server's."""
+    server = node.routing.private._server if private else node.server
+    assert server is not None
+    return [protocol.transport for protocol in server.server_state.connections]
+
+
+async def test_a_client_that_says_keep_alive_takes_the_passthrough_and_its_app_sees_no_hop_headers(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app())
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "keep-alive")
+
+    direct, _ = await whoami(a, cookies)
+    forwarded, forwarded_caller = await whoami(b, cookies)  # httpx says `connection: keep-alive`
+
+    assert b.routing.router.stats.passed_through == 1
+    assert forwarded["worker"] == a.id
+    assert forwarded["client"] == forwarded_caller
+    assert "connection" in direct["headers"]  # (the direct one is not forwarded)
+    assert forwarded["headers"] == [h for h in direct["headers"] if h.encode() not in HOP_BY_HOP]
+
+
+async def test_the_passthrough_and_the_private_server_write_through_joined_writes(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app())
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "joined")
+
+    async with b.client(cookies=cookies) as client:  # one kept-alive connection
+        reply = await client.get("/touch")
+        assert reply.status_code == 200 and reply.json()["worker"] == a.id
+        assert b.routing.router.stats.passed_through == 1
+        fronts, privates = transports(b), transports(a, private=True)
+
+    assert fronts and all(isinstance(t, JoinedWrites) for t in fronts)
+    assert privates and all(isinstance(t, JoinedWrites) for t in privates)
