@@ -86,14 +86,22 @@ async def raw_on(
     raise AssertionError(f"no connection landed on worker {worker}")
 
 
+async def across(
+    server: Server, session_id: str, tls: ssl.SSLContext | None = None
+) -> tuple[str, str, str, Raw]:
+    """Seed a session on a 2-worker server: its cookie, its holder, the other worker, and
+    a kept-alive connection the other worker accepted."""
+    cookie, holder = await seed(server, session_id)
+    lines = await workers(server)
+    (other,) = [w for w in lines if w != holder]
+    return cookie, holder, other, await raw_on(server, lines, other, tls)
+
+
 async def test_requests_on_a_connection_another_worker_accepted_pass_through_to_the_holder(
     serve: Serve,
 ) -> None:
     server = serve(APP, 2)
-    cookie, holder = await seed(server, "through")
-    lines = await workers(server)
-    (other,) = [w for w in lines if w != holder]
-    raw = await raw_on(server, lines, other)
+    cookie, holder, other, raw = await across(server, "through")
     try:
         for _ in range(5):
             raw.write(get("/echo", cookie))
@@ -146,10 +154,7 @@ async def test_requests_the_passthrough_cannot_take_are_forwarded_by_copying_and
     """Two requests in one write (pipelined), a head in two writes, and an `x-forwarded-for`
     header: each goes the router's way, and each still reaches its holder."""
     server = serve(APP, 2)
-    cookie, holder = await seed(server, "copied")
-    lines = await workers(server)
-    (other,) = [w for w in lines if w != holder]
-    raw = await raw_on(server, lines, other)
+    cookie, holder, other, raw = await across(server, "copied")
     try:
         raw.write(get("/echo?n=1", cookie) + get("/echo?n=2", cookie))
         for _ in range(2):
@@ -205,10 +210,7 @@ async def test_a_request_that_arrives_inside_another_requests_unfinished_head_is
     """Bytes that look like a whole request but arrive while uvicorn's parser is inside
     another request's head belong to that head: the passthrough must not take them."""
     server = serve(APP, 2)
-    cookie, holder = await seed(server, "inside")
-    lines = await workers(server)
-    (other,) = [w for w in lines if w != holder]
-    raw = await raw_on(server, lines, other)
+    cookie, holder, other, raw = await across(server, "inside")
     try:
         raw.write(b"GET /echo?first HTTP/1.1\r\nhost: tether\r\nx-pad: ")
         await asyncio.sleep(0.1)
@@ -222,20 +224,15 @@ async def test_a_request_that_arrives_inside_another_requests_unfinished_head_is
     assert after[other]["forwarded"] == 1
 
 
-
-
 async def test_under_tls_requests_of_another_workers_session_are_forwarded_by_copying(
     serve: Serve, certificate: tuple[str, str]
 ) -> None:
     key, cert = certificate
     server = serve(APP, 2, "--ssl-keyfile", key, "--ssl-certfile", cert)
-    cookie, holder = await seed(server, "tls")
-    lines = await workers(server)
-    (other,) = [w for w in lines if w != holder]
     tls = ssl.create_default_context()
     tls.check_hostname = False
     tls.verify_mode = ssl.CERT_NONE
-    raw = await raw_on(server, lines, other, tls)
+    cookie, holder, other, raw = await across(server, "tls", tls)
     try:
         for _ in range(3):
             raw.write(get("/echo", cookie))
@@ -252,14 +249,12 @@ async def test_a_passed_through_request_whose_holder_is_killed_is_answered_410_o
     serve: Serve,
 ) -> None:
     server = serve(APP, 2)
-    cookie, holder = await seed(server, "doomed")
-    lines = await workers(server)
-    (other,) = [w for w in lines if w != holder]
-    raw = await raw_on(server, lines, other)
+    cookie, holder, _, raw = await across(server, "doomed")
+    pid = (await workers(server))[holder]["pid"]
     try:
         raw.write(get("/slow?s=30", cookie))
         await asyncio.sleep(0.5)  # (the holder sleeps in the handler)
-        os.kill(lines[holder]["pid"], signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         status, _, body = await raw.reply()
         assert (status, body["code"]) in {(410, "session_gone"), (503, "claimant_unavailable")}
     finally:
