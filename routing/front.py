@@ -50,7 +50,7 @@ from tether.routing.writes import JoinedWrites
 
 log = structlog.get_logger("tether.front")
 
-__all__ = ["Passthrough", "fits", "front_protocol", "head_scope"]
+__all__ = ["Passthrough", "fits", "front_protocol", "head_scope", "read_head"]
 
 PASSTHROUGH_MAX = 1 << 16
 """The largest request (head and body, in one read) that takes the passthrough."""
@@ -130,6 +130,74 @@ class _HeaderLines:
 _header_lines = _HeaderLines()
 
 
+class _Head:
+    """What the passthrough reads of a request head it may take: the scope a routing
+    decision reads, the body's declared length (-1: none), and the head to send on."""
+
+    __slots__ = ("length", "scope", "sent")
+
+    def __init__(self, scope: Scope, length: int, sent: bytes) -> None:
+        self.scope = scope
+        self.length = length
+        self.sent = sent
+
+
+def read_head(head: bytes, root_path: str) -> _Head | None:
+    """A request head (without its closing blank line) as the passthrough sends it on;
+    None for one it does not take (see the module's docstring)."""
+    scope = head_scope(head, root_path)
+    if scope is None or scope["method"] not in _METHODS:
+        return None
+    length = -1
+    said_keep_alive = False
+    for name, value in scope["headers"]:
+        if name in _NOT_PASSED:
+            if name != b"connection":
+                return None
+            token = value.lower()
+            if token == b"keep-alive":  # what HTTP/1.1 means anyway; not passed on
+                said_keep_alive = True
+            elif token != b"close":  # (the holder's reply says so too; both ends close)
+                return None
+            continue
+        if name == b"content-length":
+            if not value.isdigit() or length >= 0:
+                return None  # (a second one: httptools would refuse it)
+            length = int(value)
+    if said_keep_alive:
+        head = _without_keep_alive(head)
+    if root_path:  # the target as uvicorn gives it the router: `--root-path` in front
+        method, _, rest = head.partition(b" ")
+        head = b"%s %s%s" % (method, root_path.encode("ascii"), rest)
+    return _Head(scope, length, head)
+
+
+HEADS_REMEMBERED = 2048
+HEAD_REMEMBERED_MAX = 2048
+"""Heads up to this size (bytes) are remembered."""
+
+
+class _Heads:
+    """`read_head`, remembered: a session's requests repeat one head, and reading it is
+    most of the passthrough's own work. At most `HEADS_REMEMBERED` heads, each at most
+    `HEAD_REMEMBERED_MAX` bytes, all forgotten at once when full."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[bytes, str], _Head | None] = {}
+
+    def read(self, head: bytes, root_path: str) -> _Head | None:
+        if len(head) > HEAD_REMEMBERED_MAX:
+            return read_head(head, root_path)
+        key = (head, root_path)
+        known = self._known
+        if key in known:
+            return known[key]
+        read = known[key] = read_head(head, root_path)
+        if len(known) > HEADS_REMEMBERED:
+            known.clear()
+        return read
+
+
 class _Spliced:
     """One request on the passthrough: its link, its bytes (for the copying path, should
     the link fail before it could have been read), and what its access line and
@@ -176,6 +244,7 @@ class Passthrough:
         self.router = router
         self.path_of = path_of
         self._paths: dict[WorkerId, str] = {}
+        self._heads = _Heads()
         self.links = Links()
 
     def start(self, front: Any, data: bytes) -> _Spliced | None:
@@ -187,32 +256,14 @@ class Passthrough:
         end = data.find(b"\r\n\r\n")
         if end < 0:
             return None
-        root = front.root_path
-        scope = head_scope(data[:end], root)
-        if scope is None or scope["method"] not in _METHODS:
-            return None
-        length = -1
-        said_keep_alive = False
-        for name, value in scope["headers"]:
-            if name in _NOT_PASSED:
-                if name != b"connection":
-                    return None
-                token = value.lower()
-                if token == b"keep-alive":  # what HTTP/1.1 means anyway; not passed on
-                    said_keep_alive = True
-                elif token != b"close":  # (the holder's reply says so too; both ends close)
-                    return None
-                continue
-            if name == b"content-length":
-                if not value.isdigit() or length >= 0:
-                    return None  # (a second one: httptools would refuse it)
-                length = int(value)
-        if len(data) - end - 4 != max(length, 0):
+        read = self._heads.read(data[:end], front.root_path)
+        if read is None or len(data) - end - 4 != max(read.length, 0):
             return None  # a body still coming, or a second request behind this one
         limit = front.limit_concurrency
         if limit is not None and (len(front.connections) >= limit or len(front.tasks) >= limit):
             return None  # uvicorn's protocol answers it 503
         router = self.router
+        scope = dict(read.scope)  # (the router names the session in it)
         target = router.passthrough_target(scope)
         if target is None:
             return None
@@ -222,14 +273,8 @@ class Passthrough:
         link = self.links.get(path)
         if link is None:
             return None
-        head = data[:end]
-        if said_keep_alive:
-            head = _without_keep_alive(head)
-        if root:  # the target as uvicorn gives it the router: `--root-path` in front
-            method, _, rest = head.partition(b" ")
-            head = b"%s %s%s" % (method, root.encode("ascii"), rest)
         hop = front.hop_value()
-        request = b"%s\r\n%s: %s\r\n\r\n%s" % (head, HOP_HEADER, hop, data[end + 4 :])
+        request = b"%s\r\n%s: %s\r\n\r\n%s" % (read.sent, HOP_HEADER, hop, data[end + 4 :])
         spliced = _Spliced(front, link, data, scope, target, started)
         if not link.send(request, spliced):
             return None

@@ -30,7 +30,11 @@ class Lifetimes:
         self.holder = holder
         self._open: set[SessionId] = set()
         self._deadline: dict[SessionId, float] = {}
+        """Each closed session's current deadline (a later request moves it out)."""
         self._heap: list[tuple[float, SessionId]] = []
+        self._queued: set[SessionId] = set()
+        """Sessions with their one deadline in `_heap` of each session there: a request moves only
+        `_deadline`, and the entry goes back in with it when it comes up early."""
 
     def __len__(self) -> int:
         return len(self._open) + len(self._deadline)
@@ -70,13 +74,30 @@ class Lifetimes:
         if self.holder is not None:
             return [sid for sid in tracked if not self.holder.holds(sid)]
         due: list[SessionId] = []
-        while self._heap and self._heap[0][0] <= now:
-            deadline, sid = heapq.heappop(self._heap)
-            if self._deadline.get(sid) == deadline:
+        heap, queued = self._heap, self._queued
+        while heap and heap[0][0] <= now:
+            _, sid = heapq.heappop(heap)
+            queued.discard(sid)
+            deadline = self._deadline.get(sid)
+            if deadline is None:
+                continue  # opened or forgotten since
+            if deadline <= now:
                 del self._deadline[sid]
                 due.append(sid)
+            else:
+                self._queue(sid, deadline)
         return due
+
+    def queued(self) -> int:
+        """Deadlines waiting in the queue: at most one per session, however many
+        requests moved it."""
+        return len(self._heap)
 
     def _expire_at(self, session_id: SessionId, deadline: float) -> None:
         self._deadline[session_id] = deadline
+        if session_id not in self._queued:
+            self._queue(session_id, deadline)
+
+    def _queue(self, session_id: SessionId, deadline: float) -> None:
+        self._queued.add(session_id)
         heapq.heappush(self._heap, (deadline, session_id))

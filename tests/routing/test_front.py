@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tether.routing.front import head_scope
+from tether.routing.front import head_scope, read_head
 
 
 def test_a_plain_head_gives_method_paths_query_and_lowercased_headers() -> None:
@@ -32,3 +32,34 @@ def test_heads_the_passthrough_does_not_read_give_none() -> None:
         b"GET  / HTTP/1.1\r\nhost: t",
     ):
         assert head_scope(head, "") is None, head
+
+
+def test_a_head_sent_on_loses_connection_keep_alive_and_gains_the_root_path() -> None:
+    read = read_head(
+        b"GET /count HTTP/1.1\r\nhost: t\r\nConnection: Keep-Alive\r\ncookie: s=1", "/api"
+    )
+    assert read is not None
+    assert read.sent == b"GET /api/count HTTP/1.1\r\nhost: t\r\ncookie: s=1"
+    assert read.length == -1
+    assert read.scope["path"] == "/api/count"
+
+
+def test_a_head_keeps_connection_close_and_reads_its_body_length() -> None:
+    head = b"POST /x HTTP/1.1\r\nconnection: close\r\ncontent-length: 12"
+    read = read_head(head, "")
+    assert read is not None and read.sent == head and read.length == 12
+
+
+def test_heads_the_passthrough_leaves_to_the_router_read_as_none() -> None:
+    for head in (
+        b"HEAD / HTTP/1.1\r\nhost: t",
+        b"GET / HTTP/1.1\r\nconnection: upgrade\r\nupgrade: websocket",
+        b"GET / HTTP/1.1\r\nconnection: keep-alive, x-private",
+        b"POST / HTTP/1.1\r\ntransfer-encoding: chunked",
+        b"POST / HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 1",
+        b"POST / HTTP/1.1\r\ncontent-length: -1",
+        b"POST / HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 1",
+        b"GET / HTTP/1.1\r\nx-forwarded-for: 10.0.0.1",
+        b"GET / HTTP/1.1\r\nx-tether-hop: http 1.2.3.4 1 h 1 ",
+    ):
+        assert read_head(head, "") is None, head

@@ -155,3 +155,25 @@ def test_many_sessions_expire_in_deadline_order() -> None:
     due = lifetimes.due(505.0, set())
     assert due == [SessionId(f"s{i}") for i in range(496)]
     assert len(lifetimes) == 504
+
+
+def test_a_session_served_many_times_keeps_one_queued_deadline_and_expires_at_the_last() -> None:
+    lifetimes = Lifetimes(10.0)
+    for i in range(10_000):
+        lifetimes.served(S, "other", True, now=i / 100)
+    assert lifetimes.queued() == 1
+    assert lifetimes.due(50.0, set()) == []  # its first deadline came up: queued again
+    assert lifetimes.queued() == 1
+    assert lifetimes.due(109.98, set()) == []
+    assert lifetimes.due(109.99, set()) == [S]
+    assert lifetimes.queued() == 0 and len(lifetimes) == 0
+
+
+def test_a_session_opened_after_its_deadline_was_queued_is_never_due() -> None:
+    lifetimes = Lifetimes(10.0)
+    lifetimes.served(S, "other", True, now=0.0)
+    lifetimes.served(S, "start", True, now=1.0)
+    assert lifetimes.due(1_000.0, set()) == []
+    lifetimes.served(S, "end", True, now=2_000.0)
+    assert lifetimes.due(2_009.0, set()) == []
+    assert lifetimes.due(2_010.0, set()) == [S]
