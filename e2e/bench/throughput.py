@@ -17,6 +17,10 @@ picked at random per request. With 4 workers three requests in four reach a work
 does not hold their session. Before the clock starts every session is used once (under
 tether, that claims it where it lands).
 
+Under tether it also reads `tether_requests_total` from `/_tether/metrics` before and
+after each run, for the share of requests the workers forwarded (the kernel's spread of
+the connections over the workers moves it around 0.75, and the figure with it).
+
 It prints a table, writes `e2e/bench/results/throughput.json` and rewrites the generated
 part of the "Throughput" section of `docs/benchmarks.md` (not with `--no-doc`); it exits
 1 if a run's checks fail (an error reply, a lost connection, a process left over).
@@ -35,15 +39,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from itsdangerous import TimestampSigner
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.bench import machine, stop, write_generated
 from e2e.bench.routing import (
     REPO,
+    Tether,
     code_version,
     cpu_seconds,
     cpu_ticks,
@@ -149,6 +156,35 @@ def drive(port: int, seconds: float, cookie_file: str, server: int) -> dict[str,
     return result
 
 
+def outcomes(tether: Tether) -> dict[str, float]:
+    """`tether_requests_total` by outcome, summed over the workers (SPEC 9)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{tether.port}/_tether/metrics",
+        headers={"authorization": f"Bearer {tether.token}"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        text = reply.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "tether_requests":
+            for sample in family.samples:
+                if sample.name == "tether_requests_total":
+                    outcome = sample.labels["outcome"]
+                    totals[outcome] = totals.get(outcome, 0.0) + sample.value
+    return totals
+
+
+def forwarded_fraction(before: dict[str, float], after: dict[str, float]) -> float:
+    """Of the requests the workers received between two readings, the share they
+    forwarded (the rest they served where they landed): the kernel's spread of the
+    client's connections over the workers moves it around 0.75."""
+    def delta(outcome: str) -> float:
+        return after.get(outcome, 0.0) - before.get(outcome, 0.0)
+
+    received = delta("forwarded") + delta("local")
+    return round(delta("forwarded") / received, 3) if received else 0.0
+
+
 def run(seconds: float, rounds: int) -> dict[str, Any]:
     load_before = load_average()
     log_dir = tempfile.mkdtemp(prefix="tp-", dir="/tmp")
@@ -162,7 +198,10 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
             tether = start_tether(log_dir, APP, WORKERS, ("--log-format", "json",
                                                           "--no-access-log"))
             try:
-                runs["tether"].append(drive(tether.port, seconds, cookie_file, tether.process.pid))
+                before = outcomes(tether)
+                result = drive(tether.port, seconds, cookie_file, tether.process.pid)
+                result["forwarded_fraction"] = forwarded_fraction(before, outcomes(tether))
+                runs["tether"].append(result)
             finally:
                 exits.append(stop(tether.process))
             plain, port = start_uvicorn(log_dir)
@@ -247,6 +286,10 @@ def table(result: dict[str, Any]) -> str:
         f"{'pass' if target['pass'] else 'FAIL'} |",
         f"| splice floor ÷ uvicorn (the design with no routing work; no target) | "
         f"{result['splice_floor_over_uvicorn']:.3f} | | |",
+        "",
+        "tether's requests forwarded, each round (the rest were served where they "
+        "landed; 0.75 with the connections spread evenly): "
+        + ", ".join(f"{r.get('forwarded_fraction', 0):.3f}" for r in result["runs"]["tether"]),
     ]
     return "\n".join(lines)
 
