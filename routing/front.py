@@ -172,32 +172,6 @@ def read_head(head: bytes, root_path: str) -> _Head | None:
     return _Head(scope, length, head)
 
 
-HEADS_REMEMBERED = 2048
-HEAD_REMEMBERED_MAX = 2048
-"""Heads up to this size (bytes) are remembered."""
-
-
-class _Heads:
-    """`read_head`, remembered: a session's requests repeat one head, and reading it is
-    most of the passthrough's own work. At most `HEADS_REMEMBERED` heads, each at most
-    `HEAD_REMEMBERED_MAX` bytes, all forgotten at once when full."""
-
-    def __init__(self) -> None:
-        self._known: dict[tuple[bytes, str], _Head | None] = {}
-
-    def read(self, head: bytes, root_path: str) -> _Head | None:
-        if len(head) > HEAD_REMEMBERED_MAX:
-            return read_head(head, root_path)
-        key = (head, root_path)
-        known = self._known
-        if key in known:
-            return known[key]
-        read = known[key] = read_head(head, root_path)
-        if len(known) > HEADS_REMEMBERED:
-            known.clear()
-        return read
-
-
 class _Spliced:
     """One request on the passthrough: its link, its bytes (for the copying path, should
     the link fail before it could have been read), and what its access line and
@@ -244,7 +218,6 @@ class Passthrough:
         self.router = router
         self.path_of = path_of
         self._paths: dict[WorkerId, str] = {}
-        self._heads = _Heads()
         self.links = Links()
 
     def start(self, front: Any, data: bytes) -> _Spliced | None:
@@ -256,14 +229,14 @@ class Passthrough:
         end = data.find(b"\r\n\r\n")
         if end < 0:
             return None
-        read = self._heads.read(data[:end], front.root_path)
+        read = read_head(data[:end], front.root_path)
         if read is None or len(data) - end - 4 != max(read.length, 0):
             return None  # a body still coming, or a second request behind this one
         limit = front.limit_concurrency
         if limit is not None and (len(front.connections) >= limit or len(front.tasks) >= limit):
             return None  # uvicorn's protocol answers it 503
         router = self.router
-        scope = dict(read.scope)  # (the router names the session in it)
+        scope = read.scope
         target = router.passthrough_target(scope)
         if target is None:
             return None

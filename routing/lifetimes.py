@@ -33,7 +33,7 @@ class Lifetimes:
         """Each closed session's current deadline (a later request moves it out)."""
         self._heap: list[tuple[float, SessionId]] = []
         self._queued: set[SessionId] = set()
-        """Sessions with their one deadline in `_heap` of each session there: a request moves only
+        """Sessions with an entry in `_heap`, one each: a later request moves only
         `_deadline`, and the entry goes back in with it when it comes up early."""
 
     def __len__(self) -> int:
@@ -95,7 +95,7 @@ class Lifetimes:
 
     def _expire_at(self, session_id: SessionId, deadline: float) -> None:
         self._deadline[session_id] = deadline
-        if session_id not in self._queued:
+        if self.holder is None and session_id not in self._queued:  # (a holder decides)
             self._queue(session_id, deadline)
 
     def _queue(self, session_id: SessionId, deadline: float) -> None:

@@ -63,3 +63,13 @@ def test_heads_the_passthrough_leaves_to_the_router_read_as_none() -> None:
         b"GET / HTTP/1.1\r\nx-tether-hop: http 1.2.3.4 1 h 1 ",
     ):
         assert read_head(head, "") is None, head
+
+
+def test_keep_alive_lines_all_go_and_a_close_line_stays() -> None:
+    read = read_head(
+        b"GET / HTTP/1.1\r\nconnection: keep-alive\r\nConnection:\tKEEP-ALIVE \r\n"
+        b"connection: close\r\nhost: t",
+        "",
+    )
+    assert read is not None
+    assert read.sent == b"GET / HTTP/1.1\r\nconnection: close\r\nhost: t"

@@ -177,3 +177,24 @@ def test_a_session_opened_after_its_deadline_was_queued_is_never_due() -> None:
     lifetimes.served(S, "end", True, now=2_000.0)
     assert lifetimes.due(2_009.0, set()) == []
     assert lifetimes.due(2_010.0, set()) == [S]
+
+
+def test_with_a_holder_no_deadline_is_queued() -> None:
+    class Holder:
+        def holds(self, session_id: SessionId) -> bool:
+            return False
+
+    lifetimes = Lifetimes(10.0, Holder())
+    for i in range(1_000):
+        lifetimes.served(SessionId(f"s{i}"), "other", True, now=float(i))
+    assert lifetimes.queued() == 0
+
+
+def test_a_session_forgotten_and_served_again_expires_one_window_after_its_last_request() -> None:
+    lifetimes = Lifetimes(10.0)
+    lifetimes.served(S, "other", True, now=0.0)
+    lifetimes.forget(S)
+    lifetimes.served(S, "other", True, now=5.0)  # its first entry is still queued
+    assert lifetimes.due(10.0, set()) == []  # that entry came up: queued again for 15
+    assert lifetimes.queued() == 1
+    assert lifetimes.due(15.0, set()) == [S]
