@@ -482,11 +482,33 @@ def main() -> None:
         log_config=None,
         interface="asgi3",
     )
-    passthrough = worker.routing.passthrough
-    if passthrough is not None and worker.routing.router.tracing is None and fits(config):
-        config.http = front_protocol(passthrough)
-    worker.server = uvicorn.Server(config)
-    worker.server.run(sockets=[listener])
+    routing = worker.routing
+    server = worker.server = _PublicServer(config, routing)
+    if routing.passthrough is not None and routing.router.tracing is None and fits(config):
+        front = config.http = front_protocol(routing.passthrough)
+
+        def handed_in(data: bytes) -> asyncio.Protocol:
+            protocol: Any = front(  # (a FrontProtocol)
+                config=config, server_state=server.server_state, app_state=server.lifespan.state
+            )
+            protocol.hand_in(data)
+            return protocol  # type: ignore[no-any-return]
+
+        routing.accept_handoffs(handed_in)
+    server.run(sockets=[listener])
+
+
+class _PublicServer(uvicorn.Server):
+    """uvicorn's server that stops taking handed-off connections (routing/handoff.py)
+    before it closes its own, so those already handed here are closed the same way."""
+
+    def __init__(self, config: uvicorn.Config, routing: RoutingWorker) -> None:
+        super().__init__(config)
+        self.routing = routing
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.routing.stop_handoffs()
+        await super().shutdown(sockets)
 
 
 if __name__ == "__main__":

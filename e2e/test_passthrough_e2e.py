@@ -73,28 +73,62 @@ async def workers(server: Server) -> dict[str, dict[str, Any]]:
 
 async def raw_on(
     server: Server, lines: dict[str, dict[str, Any]], worker: str,
-    tls: ssl.SSLContext | None = None,
+    tls: ssl.SSLContext | None = None, stay: bool = True,
 ) -> Raw:
-    """A kept-alive connection that `worker` accepted."""
+    """A kept-alive connection that `worker` accepted; with `stay`, its first request was
+    one of no session, so that it stays there (a connection moves to a session's holder
+    only on its first request: routing/handoff.py)."""
     host, port = server.host_port
     pids = [line["pid"] for line in lines.values()]
     for _ in range(60):
         reader, writer = await asyncio.open_connection(host, port, ssl=tls)
         if await Connection(reader, writer).owner(pids) == lines[worker]["pid"]:
-            return Raw(reader, writer)
+            raw = Raw(reader, writer)
+            if stay:
+                raw.write(b"GET /slow?s=0 HTTP/1.1\r\nhost: tether\r\n\r\n")
+                status, _, seen = await raw.reply()
+                assert (status, seen["worker"]) == (200, worker), seen
+            return raw
         writer.transport.abort()
     raise AssertionError(f"no connection landed on worker {worker}")
 
 
 async def across(
-    server: Server, session_id: str, tls: ssl.SSLContext | None = None
+    server: Server, session_id: str, tls: ssl.SSLContext | None = None, stay: bool = True
 ) -> tuple[str, str, str, Raw]:
     """Seed a session on a 2-worker server: its cookie, its holder, the other worker, and
-    a kept-alive connection the other worker accepted."""
+    a kept-alive connection the other worker accepted (`stay`: see `raw_on`)."""
     cookie, holder = await seed(server, session_id)
     lines = await workers(server)
     (other,) = [w for w in lines if w != holder]
-    return cookie, holder, other, await raw_on(server, lines, other, tls)
+    return cookie, holder, other, await raw_on(server, lines, other, tls, stay)
+
+
+async def test_a_connections_first_request_moves_it_to_the_holder_which_serves_the_rest(
+    serve: Serve,
+) -> None:
+    server = serve(APP, 2)
+    cookie, holder, other, raw = await across(server, "moved", stay=False)
+    before = await workers(server)
+    try:
+        for _ in range(4):
+            raw.write(get("/echo", cookie))
+            status, headers, seen = await raw.reply()
+            assert (status, seen["worker"], seen["session_id"]) == (200, holder, "moved")
+            assert seen["client"] == ["127.0.0.1", raw.port], "the caller's own address"
+            names = [name for name, _ in headers]
+            assert names.count("date") == 1 and names.count("server") == 1, headers
+    finally:
+        await raw.close()
+    after = await workers(server)
+    assert after[other]["handed_off"] - before[other]["handed_off"] == 1
+    assert after[other]["forwarded"] - before[other]["forwarded"] == 1
+    assert after[other]["passed_through"] == after[holder]["handed_off"] == 0
+    assert after[holder]["served_forwarded"] - before[holder]["served_forwarded"] == 1
+    lines_logged = await eventually(
+        lambda: echo_lines(server) if len(echo_lines(server)) >= 4 else None, 10,
+        "the access lines are written")
+    assert [r["worker_id"] for r in lines_logged] == [holder] * 4, "by the holder, once each"
 
 
 async def test_requests_on_a_connection_another_worker_accepted_pass_through_to_the_holder(

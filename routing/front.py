@@ -22,6 +22,12 @@ the forwarder's retry and its 410 and 503 rules answer it.
 The head is read here only to pick the worker; the holder parses it again and decides
 by itself (SPEC 4.2: what arrives on a private socket is served there).
 
+A connection's first request is not spliced but handed off when it can be (handoff.py):
+the connection itself moves to the holder, whose `FrontProtocol` then serves it as if it
+had accepted it (`hand_in`), its first request as a forwarded one, and any later request
+of it as its own (a session held elsewhere takes the passthrough from there). A handoff
+that does not go through at once leaves the request to the passthrough.
+
 It replaces the public server's protocol only where it can: httptools (uvicorn's
 default), no TLS (`--ssl-*`) and no HTTP/2, and a process that does not trace (a traced
 hop keeps its `tether forward` span, SPEC 9).
@@ -42,15 +48,16 @@ from starlette.types import Message, Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tether.routing.errors import TetherError
+from tether.routing.handoff import Handoffs
 from tether.routing.hop import HOP_HEADER, hop_value
-from tether.routing.router import SCOPE_KEY, Router, session_gone
+from tether.routing.router import HANDED_KEY, SCOPE_KEY, Router, session_gone
 from tether.routing.splice import Link, Links
 from tether.routing.types import WorkerId
 from tether.routing.writes import JoinedWrites
 
 log = structlog.get_logger("tether.front")
 
-__all__ = ["Passthrough", "fits", "front_protocol", "head_scope", "read_head"]
+__all__ = ["HANDED_OFF", "Passthrough", "fits", "front_protocol", "head_scope", "read_head"]
 
 PASSTHROUGH_MAX = 1 << 16
 """The largest request (head and body, in one read) that takes the passthrough."""
@@ -210,19 +217,35 @@ class _Spliced:
         self.front.splice_lost(self)
 
 
-class Passthrough:
-    """Decides which requests take the passthrough, and starts them on it."""
+class _HandedOff:
+    """What `Passthrough.start` returns for a connection it handed to the holder."""
 
-    def __init__(self, router: Router, path_of: Callable[[WorkerId], str]) -> None:
-        """`path_of`: a worker's private socket."""
+
+HANDED_OFF = _HandedOff()
+
+
+class Passthrough:
+    """Decides which requests take the passthrough (or move their connection), and starts
+    them on it."""
+
+    def __init__(
+        self,
+        router: Router,
+        path_of: Callable[[WorkerId], str],
+        handoff_of: Callable[[str], str] | None = None,
+    ) -> None:
+        """`path_of`: a worker's private socket; `handoff_of`: its handoff socket (None:
+        connections are never handed off)."""
         self.router = router
         self.path_of = path_of
         self._paths: dict[WorkerId, str] = {}
         self.links = Links()
+        self.handoffs = None if handoff_of is None else Handoffs(handoff_of)
 
-    def start(self, front: Any, data: bytes) -> _Spliced | None:
+    def start(self, front: Any, data: bytes, first: bool = False) -> _Spliced | _HandedOff | None:
         """Send the request `data` holds whole to its session's holder, if it may take
-        the passthrough; None (nothing sent) otherwise."""
+        the passthrough (or, as the connection's `first` request, hand the connection to
+        it: HANDED_OFF); None (nothing sent) otherwise."""
         started = time.perf_counter()
         if len(data) > PASSTHROUGH_MAX:
             return None
@@ -240,6 +263,12 @@ class Passthrough:
         target = router.passthrough_target(scope)
         if target is None:
             return None
+        if first and self.handoffs is not None and self.handoffs.send(
+            target, front.raw_transport.get_extra_info("socket").fileno(), data
+        ):
+            router.stats.forwarded += 1
+            router.stats.handed_off += 1
+            return HANDED_OFF
         path = self._paths.get(target)
         if path is None:
             path = self._paths[target] = self.path_of(target)
@@ -296,6 +325,8 @@ class Passthrough:
 
     def close(self) -> None:
         self.links.close()
+        if self.handoffs is not None:
+            self.handoffs.close()
 
 
 def encode_reply(messages: list[Message], default_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -336,12 +367,26 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             self._paused = False
             self._hop: bytes | None = None
             self._closing = False
+            self._first = True
+            """No request has started on this connection yet."""
+            self._handed_in: bytes | None = None
+            self._mark_handed = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.raw_transport = transport
             """The client's own transport: a spliced reply's bytes come in pieces worth
             writing at once."""
             super().connection_made(JoinedWrites(transport, self.loop))
+            data, self._handed_in = self._handed_in, None
+            if data is not None:  # served here, as forwarded requests are (SPEC 4.2)
+                self._mark_handed = True
+                super().data_received(data)
+
+        def hand_in(self, data: bytes) -> None:
+            """Serve a connection another worker accepted and handed here (handoff.py),
+            whose first request `data` holds."""
+            self._handed_in = data
+            self._first = False  # (a connection moves once)
 
         def hop_value(self) -> bytes:
             """The hop header's value for this connection's caller (hop.py)."""
@@ -355,12 +400,16 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
         def on_message_begin(self) -> None:
             self._in_message = True
             super().on_message_begin()
+            if self._mark_handed:
+                self._mark_handed = False
+                self.scope[HANDED_KEY] = True  # type: ignore[literal-required]
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._in_message = False
 
         def data_received(self, data: bytes) -> None:
+            first, self._first = self._first, False
             if self._spliced is not None:
                 self._held.append(data)  # pipelined behind the spliced request
                 self._held_size += len(data)
@@ -376,10 +425,13 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 and not self.flow.write_paused
             ):
                 try:
-                    spliced = passthrough.start(self, data)
+                    spliced = passthrough.start(self, data, first)
                 except Exception:  # (out of file descriptors, say): uvicorn's way answers
                     log.exception("passthrough_failed")
                     spliced = None
+                if isinstance(spliced, _HandedOff):
+                    self.raw_transport.abort()  # our descriptor only: the holder has its own
+                    return
                 if spliced is not None:
                     self._unset_keepalive_if_required()
                     self._spliced = spliced

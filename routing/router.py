@@ -46,6 +46,9 @@ NO_KIND = SessionKind()
 SCOPE_KEY = "tether.session_id"
 WORKER_KEY = "tether.worker"
 ROUTER_KEY = "tether.router"
+HANDED_KEY = "tether.handed_in"
+"""Set in the scope of a connection's first request when another worker handed the
+connection here (routing/handoff.py): that request is served as a forwarded one."""
 
 
 class Admission(Protocol):
@@ -87,6 +90,8 @@ class RouterStats:
     """Requests another worker forwarded here, counted as they arrive."""
     passed_through: int = 0
     """Of `forwarded`, those the passthrough sent on as bytes (front.py)."""
+    handed_off: int = 0
+    """Of `forwarded`, those whose connection was handed to the holder (handoff.py)."""
     local: int = 0
     """Requests from the public port admitted to this worker's own app."""
     refused: dict[str, int] = field(
@@ -155,10 +160,13 @@ class Router:
         if route_path(scope).startswith(CONTROL_PREFIX):
             await self._control(scope, receive, send)
             return
+        forwarded = HANDED_KEY in scope
+        if forwarded:
+            self.stats.served_forwarded += 1
         if not self.access_log:
-            await self._route(scope, receive, send, forwarded=False)
+            await self._route(scope, receive, send, forwarded=forwarded)
         else:
-            await self._logged(scope, receive, send, forwarded=False)
+            await self._logged(scope, receive, send, forwarded=forwarded)
 
     async def _logged(self, scope: Scope, receive: Receive, send: Send, forwarded: bool) -> None:
         """`_route`, with the request's access log line once it ends."""

@@ -18,6 +18,7 @@ from tether.routing.claims import ClaimStore, FileClaimStore, WorkerClaims
 from tether.routing.errors import TetherError
 from tether.routing.forward import Forwarder
 from tether.routing.front import Passthrough
+from tether.routing.handoff import HandoffReceiver
 from tether.routing.hopsign import HopSigner, HopVerifier
 from tether.routing.kinds import SessionKind
 from tether.routing.lifetimes import Lifetimes
@@ -48,6 +49,11 @@ class HopListener:
 def socket_path(runtime_dir: str, worker: WorkerId) -> str:
     """The private socket of `worker` in a server's runtime directory."""
     return os.path.join(runtime_dir, "w", f"{worker}.sock")
+
+
+def handoff_path(runtime_dir: str, worker: str) -> str:
+    """Where `worker` takes connections other workers hand it (routing/handoff.py)."""
+    return os.path.join(runtime_dir, "w", f"{worker}.handoff")
 
 
 def claims_dir(runtime_dir: str) -> str:
@@ -87,6 +93,8 @@ class RoutingWorker:
         """On a cluster, the TCP listener for requests other hosts forward here."""
         self.passthrough: Passthrough | None = None
         """Sends requests of sessions another worker of this host holds on as bytes."""
+        self.handoffs: HandoffReceiver | None = None
+        """Takes connections other workers hand here, once `accept_handoffs` is called."""
         window = kind.close_window_s if kind else 300.0
         self._sweep_every = min(max(window / 20, MIN_SWEEP_S), MAX_SWEEP_S)
         self._sweeper: asyncio.Task[None] | None = None
@@ -113,7 +121,9 @@ class RoutingWorker:
             relays=self.relays,
         )
         if runtime_dir is not None:
-            self.passthrough = Passthrough(self.router, self.socket_path)
+            self.passthrough = Passthrough(
+                self.router, self.socket_path, lambda worker: handoff_path(runtime_dir, worker)
+            )
             os.makedirs(os.path.join(runtime_dir, "w"), mode=0o700, exist_ok=True)
             self.private = PrivateServer(
                 self.router.serve_forwarded,
@@ -139,10 +149,25 @@ class RoutingWorker:
         await self.hop_server.start()
         return f"{self.hop_server.host}:{self.hop_server.port}"
 
+    def accept_handoffs(self, serve: Callable[[bytes], asyncio.Protocol]) -> None:
+        """From `start` on, take connections other workers hand here, each served by the
+        public server's protocol `serve` makes for the request already read from it (a
+        `FrontProtocol` after `hand_in`, front.py)."""
+        assert self.runtime_dir is not None
+        self.handoffs = HandoffReceiver(handoff_path(self.runtime_dir, self.id), serve)
+
+    async def stop_handoffs(self) -> None:
+        """Take no more connections from other workers: before the public server closes
+        its own, so that those handed here already are among them."""
+        if self.handoffs is not None:
+            await self.handoffs.stop()
+
     async def start(self) -> None:
         """Serve forwarded requests and start sweeping expired claims."""
         if self.private is not None:
             await self.private.start()
+        if self.handoffs is not None:
+            self.handoffs.start()
         if self.claims is not None:
             self._sweeper = asyncio.create_task(self._sweep(), name="tether-claim-sweep")
 
@@ -154,6 +179,7 @@ class RoutingWorker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
+        await self.stop_handoffs()
         if self.relays is not None:
             await self.relays.close()  # the WebSockets this worker relays, both sides
         if self.hop_server is not None:
@@ -180,6 +206,7 @@ class RoutingWorker:
             "forwarded": self.router.stats.forwarded,
             "served_forwarded": self.router.stats.served_forwarded,
             "passed_through": self.router.stats.passed_through,
+            "handed_off": self.router.stats.handed_off,
         }
 
     def metrics(self) -> dict[str, Any]:

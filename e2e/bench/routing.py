@@ -12,11 +12,19 @@ session and times `GET /count` for it over three kept-alive client connections, 
 request on each per round, in an order that rotates every round:
 
     direct  a connection the session's holder accepted: served with no hop
-    tether  a connection the other worker accepted: every request on it is forwarded,
-            by the passthrough (routing/front.py) where it can be, else by copying
+    tether  a connection the other worker accepted: its first request (before the
+            measurement) handed it to the holder (routing/handoff.py), which serves
+            the rest with no hop
     plain   a connection to the baseline (Starlette Request + aiohttp UnixConnector +
             StreamingResponse on its own uvicorn), which forwards to the holder's
             private socket, the same socket tether forwards to
+
+Then, as many rounds again, `direct` against one more connection, each in turn:
+
+    passthrough  a connection the other worker accepted whose first request was its
+                 own (a seed), so it never moved: every request on it is forwarded by
+                 the passthrough (routing/front.py), as every request of a connection
+                 of mixed sessions is once it has moved
 
 `--diagnose` adds a fourth, `private`: straight to the holder's private socket, what the
 holder's side of a forwarded request costs.
@@ -81,6 +89,8 @@ TARGETS = {  # SPEC 11
     "added_over_plain_added_median": 0.3,
     "receiving_cpu_over_holder_cpu": 0.5,
 }
+"""SPEC 11's targets, judged on the `tether` connection; the passthrough's own figures are
+reported beside them, for connections of mixed sessions."""
 OTHER_WORK_NOTE_PERCENT = 10.0
 
 _LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
@@ -345,6 +355,19 @@ def variant_connections(
         if direct is not None and forwarded is not None:
             return direct, forwarded, other
     raise RuntimeError(f"no connection landed on each worker in {CONNECT_ATTEMPTS} batches")
+
+
+def passthrough_connection(tether: Tether, other: str) -> RawClient:
+    """A connection the worker `other` accepted whose first request, a seed of a session
+    of its own, kept it there (a connection moves only on its first request)."""
+    for _ in range(CONNECT_ATTEMPTS * CONNECT_BATCH):
+        client = RawClient(tether.port)
+        body = json.dumps({"session_id": f"stay-{secrets.token_hex(4)}"}).encode()
+        request = http_request("POST", "/seed_session", {"content-type": "application/json"}, body)
+        if json_reply(client, request)[1]["worker"] == other:
+            return client
+        client.close()
+    raise RuntimeError(f"no connection landed on {other} in {CONNECT_ATTEMPTS} batches")
 
 
 # Measuring
@@ -675,6 +698,17 @@ def table(result: dict[str, Any]) -> str:
         f"{cpu['receiving_over_holder']:.3f} ({verdict('receiving_cpu_over_holder_cpu')}) | "
         f"{cpu['plain_forwarder']:.0f} | {cpu['client']:.0f} |",
     ]
+    passing = result["passthrough"]
+    over, pcpu = passing["over_direct"], passing["cpu_us_per_request"]
+    lines += [
+        "",
+        "| the passthrough (a connection that never moved), its own rounds | median | p99 "
+        "| receiving worker µs | holder µs | receiving ÷ holder |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| passthrough ÷ direct | {over['median']:.2f}x | {over['p99']:.2f}x | "
+        f"{pcpu['receiving_worker']:.0f} | {pcpu['holder']:.0f} | "
+        f"{passing['receiving_cpu_over_holder_cpu']:.3f} |",
+    ]
     lookups = result["lookups"]
     lines += [
         "",
@@ -713,6 +747,9 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "added_tether_over_added_plain": figures["added_tether_over_added_plain"],
         "targets_pass": {name: t["pass"] for name, t in result["targets"].items()},
         "cpu_us_per_request": result["cpu_us_per_request"],
+        "passthrough_over_direct": result["passthrough"]["over_direct"],
+        "passthrough_receiving_cpu_over_holder_cpu":
+            result["passthrough"]["receiving_cpu_over_holder_cpu"],
         "lookup_us": {
             "own_session": lookups["own_session_us"],
             "other_workers_session": lookups["other_workers_session_us"],
@@ -816,6 +853,17 @@ def run(rounds: int, warmup: int, diagnose: bool) -> dict[str, Any]:
         ticks_after = cpu_ticks()
         cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
         after = worker_stats(tether)
+        # Made now: idle through the first rounds, uvicorn's keep-alive timeout would close it.
+        passing = passthrough_connection(tether, other)
+        stack.callback(passing.close)
+        after = worker_stats(tether)
+        receiving, holding = pids["tether_receiving_worker"], pids["holder"]
+        passing_cpu_before = (cpu_seconds(receiving), cpu_seconds(holding))
+        passing_samples = measure(
+            {"direct": direct, "passthrough": passing}, count, rounds, warmup
+        )
+        passing_cpu_after = (cpu_seconds(receiving), cpu_seconds(holding))
+        passed = worker_stats(tether)
     requests = rounds + warmup
     served = requests * len(clients)  # requests the holder and the client each saw
     per_request = {
@@ -839,22 +887,32 @@ def run(rounds: int, warmup: int, diagnose: bool) -> dict[str, Any]:
     def delta(worker: str, field: str) -> int:
         return int(after[worker][field] - before[worker][field])
 
-    forwarded_to_holder = requests * (len(clients) - 1)  # every variant but direct
+    def passed_delta(worker: str, field: str) -> int:
+        return int(passed[worker][field] - after[worker][field])
+
+    forwarded_to_holder = requests * (len(clients) - 2)  # the plain forwarder's (and private)
     checks: dict[str, Any] = {
+        "tether_connection_handed_off": int(before[other]["handed_off"]),
         "holder_forwarded": delta(holder, "forwarded"),
         "other_forwarded": delta(other, "forwarded"),
-        "expected_other_forwarded": requests,
+        "expected_other_forwarded": 0,
         "holder_served_forwarded": delta(holder, "served_forwarded"),
         "expected_holder_served_forwarded": forwarded_to_holder,
+        "other_passed_through": passed_delta(other, "passed_through"),
+        "expected_other_passed_through": requests,
+        "holder_served_passed": passed_delta(holder, "served_forwarded"),
         "tether_exit_code": tether.process.returncode,
         "baseline_exit_code": baseline.returncode,
         "runtime_dir": tether.runtime_dir,
         "runtime_dir_removed": not os.path.exists(tether.runtime_dir),
     }
     checks["ok"] = (
-        checks["holder_forwarded"] == 0
-        and checks["other_forwarded"] == requests
+        checks["tether_connection_handed_off"] >= 1  # (and any probe that landed there)
+        and checks["holder_forwarded"] == 0
+        and checks["other_forwarded"] == 0
         and checks["holder_served_forwarded"] == forwarded_to_holder
+        and checks["other_passed_through"] == requests
+        and checks["holder_served_passed"] == requests
         and checks["tether_exit_code"] == 0
         and checks["runtime_dir_removed"]
     )
@@ -862,6 +920,25 @@ def run(rounds: int, warmup: int, diagnose: bool) -> dict[str, Any]:
     figures = ratios(stats)
     cpu["receiving_over_holder"] = round(cpu["tether_receiving_worker"] / cpu["holder"], 3)
     figures["receiving_cpu_over_holder_cpu"] = cpu["receiving_over_holder"]
+    passing_stats = {name: summarize(values) for name, values in passing_samples.items()}
+    receiving_us, holding_us = (
+        (after_s - before_s) * 1e6 / per
+        for after_s, before_s, per in zip(
+            passing_cpu_after, passing_cpu_before, (requests, 2 * requests), strict=True
+        )
+    )
+    passing_ms = {name: passing_stats[name] for name in ("passthrough", "direct")}
+    passthrough = {
+        "variants": passing_stats,
+        "over_direct": {
+            at: round(passing_ms["passthrough"][f"{at}_ms"] / passing_ms["direct"][f"{at}_ms"], 3)
+            for at in ("median", "p99")
+        },
+        "cpu_us_per_request": {
+            "receiving_worker": round(receiving_us, 1), "holder": round(holding_us, 1),
+        },
+        "receiving_cpu_over_holder_cpu": round(receiving_us / holding_us, 3),
+    }
     lookups = bench_lookups()
     return {
         "benchmark": "routing",
@@ -879,7 +956,9 @@ def run(rounds: int, warmup: int, diagnose: bool) -> dict[str, Any]:
             "server": f"tether serve examples.counter:app --workers {WORKERS} --port 0 "
             "--log-format json",
             "request": "GET /count with the seeded session's cookie",
-            "connections": "one kept-alive client connection per variant",
+            "connections": "one kept-alive client connection per variant; the tether "
+            "one handed to the holder by its first request, the passthrough one kept where "
+            "it landed by its first (a seed of that worker's own)",
             "order": "one request per variant per round, order rotating each round",
             "access_log": True,
             "access_log_sink": "JSON lines to a file (the servers' stderr)",
@@ -894,6 +973,7 @@ def run(rounds: int, warmup: int, diagnose: bool) -> dict[str, Any]:
         "ratios": figures,
         "targets": judge(figures),
         "cpu_us_per_request": cpu,
+        "passthrough": passthrough,
         "lookups": lookups,
         "checks": checks,
     }

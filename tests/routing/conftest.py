@@ -68,7 +68,6 @@ class Cluster:
             runtime_dir=None if single else self.runtime_dir,
             access_log=access_log,
         )
-        await routing.start()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))
@@ -79,7 +78,17 @@ class Cluster:
         )
         if front:
             assert routing.passthrough is not None
-            config.http = front_protocol(routing.passthrough)
+            protocol = config.http = front_protocol(routing.passthrough)
+
+            def handed_in(data: bytes) -> Any:
+                handed = protocol(
+                    config=config, server_state=server.server_state, app_state={}
+                )
+                handed.hand_in(data)
+                return handed
+
+            routing.accept_handoffs(handed_in)
+        await routing.start()
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
@@ -97,6 +106,7 @@ class Cluster:
         self.set_live()
 
     async def _stop(self, node: Node) -> None:
+        await node.routing.stop_handoffs()  # (as tether serve's server does)
         await node.server.shutdown(sockets=[node.listener])
         await node.routing.stop()
 

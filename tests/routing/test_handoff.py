@@ -1,0 +1,206 @@
+"""Connection handoff (routing/handoff.py) in-process: real workers on real sockets, each
+running `FrontProtocol` and taking handed-off connections as `tether serve` does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import stat
+from typing import Any
+
+import httpx
+
+from tests.routing.apps import session_app
+from tests.routing.conftest import Cluster, Node
+from tests.routing.test_hop import seeded
+from tether.routing.worker import handoff_path
+
+
+def port_of(node: Node) -> int:
+    return int(node.url.rsplit(":", 1)[1])
+
+
+class Connection:
+    """One kept-alive client connection that sends exactly the cookie it is told."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def to(cls, node: Node) -> Connection:
+        return cls(*await asyncio.open_connection("127.0.0.1", port_of(node)))
+
+    async def get(self, path: str, cookies: httpx.Cookies | None = None) -> tuple[int, Any]:
+        cookie = "; ".join(f"{name}={value}" for name, value in (cookies or {}).items())
+        lines = [f"GET {path} HTTP/1.1", "host: test"] + ([f"cookie: {cookie}"] if cookie else [])
+        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        body = await self.reader.readexactly(length)
+        return int(head.split(b" ", 2)[1]), json.loads(body)
+
+    async def close(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+
+async def test_a_connections_first_request_for_another_workers_session_moves_it_to_the_holder(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app(), front=True)
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "moved")
+    local_before = a.routing.router.stats.local
+
+    connection = await Connection.to(b)
+    try:
+        replies = [await connection.get("/touch", cookies) for _ in range(3)]
+    finally:
+        await connection.close()
+
+    assert [(status, body["worker"], body["n"]) for status, body in replies] == [
+        (200, a.id, 1), (200, a.id, 2), (200, a.id, 3)
+    ]
+    sa, sb = a.routing.router.stats, b.routing.router.stats
+    assert (sb.forwarded, sb.handed_off, sb.passed_through) == (1, 1, 0)
+    assert sa.served_forwarded == 1  # the first, as a forwarded request
+    assert sa.local - local_before == 2  # the later ones: the holder's own
+    assert a.routing.handoffs is not None and a.routing.handoffs.taken == 1
+
+
+async def test_the_holder_of_a_handed_off_connection_sees_the_callers_own_address(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app(), front=True)
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "address")
+
+    connection = await Connection.to(b)
+    try:
+        caller = list(connection.writer.get_extra_info("sockname"))
+        status, seen = await connection.get("/whoami", cookies)
+    finally:
+        await connection.close()
+
+    assert status == 200 and seen["worker"] == a.id
+    assert seen["client"] == caller
+    assert seen["server"] == ["127.0.0.1", port_of(b)]  # the socket the caller reached
+    assert b.routing.router.stats.handed_off == 1
+
+
+async def test_a_later_request_for_another_workers_session_passes_through_and_never_moves_it_again(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app(), front=True)
+    b = await cluster.add(session_app(), front=True)
+    on_a, on_b = await seeded(a, "first"), await seeded(b, "later")
+
+    connection = await Connection.to(b)
+    try:
+        first = await connection.get("/touch", on_a)  # moves the connection to a
+        later = await connection.get("/touch", on_b)  # b's session: a sends it back as bytes
+        again = await connection.get("/touch", on_a)
+    finally:
+        await connection.close()
+
+    assert [(s, body["worker"]) for s, body in (first, later, again)] == [
+        (200, a.id), (200, b.id), (200, a.id)
+    ]
+    sa, sb = a.routing.router.stats, b.routing.router.stats
+    assert (sb.handed_off, sa.handed_off) == (1, 0)
+    assert sa.passed_through == 1
+
+
+async def test_a_holder_that_takes_no_handoffs_gets_the_first_request_by_the_passthrough(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app(), front=True)
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "fallback")
+    await a.routing.stop_handoffs()  # its handoff socket is gone
+    directory, name = handoff_path(cluster.runtime_dir, a.id).rsplit("/", 1)
+    assert name not in os.listdir(directory)
+
+    connection = await Connection.to(b)
+    try:
+        status, body = await connection.get("/touch", cookies)
+    finally:
+        await connection.close()
+
+    assert (status, body["worker"]) == (200, a.id)
+    sb = b.routing.router.stats
+    assert (sb.handed_off, sb.passed_through) == (0, 1)
+
+
+async def test_a_request_with_no_session_keeps_its_connection_where_it_landed(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app(), front=True)
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "stays")
+
+    connection = await Connection.to(b)
+    try:
+        plain = await connection.get("/health")
+        touched = await connection.get("/touch", cookies)  # no longer the first: passed through
+    finally:
+        await connection.close()
+
+    assert (plain[1]["worker"], touched[1]["worker"]) == (b.id, a.id)
+    sb = b.routing.router.stats
+    assert (sb.handed_off, sb.passed_through) == (0, 1)
+
+
+async def test_the_handoff_socket_is_0600_and_refuses_anything_but_one_stream_connection(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app(), front=True)
+    path = handoff_path(cluster.runtime_dir, a.id)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+    pipe_read, pipe_write = os.pipe()  # not a socket
+    spare_read, spare_write = os.pipe()
+    datagrams, datagrams_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    request = b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n"
+    try:
+        sender.connect(path)
+        sender.send(request)  # no descriptor
+        socket.send_fds(sender, [request], [pipe_read])
+        socket.send_fds(sender, [request], [datagrams.fileno()])
+        socket.send_fds(sender, [request], [datagrams.fileno(), spare_read])
+        for fd in (pipe_read, spare_read):
+            os.close(fd)
+        datagrams.close()
+
+        async def closed(fd: int) -> bool:  # the read end: the holder closed its copy
+            for _ in range(200):
+                try:
+                    os.write(fd, b"x")
+                except BrokenPipeError:
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+        assert await closed(pipe_write), "the holder kept the pipe it was sent"
+        assert await closed(spare_write), "the holder kept the second descriptor it was sent"
+        datagrams_peer.setblocking(False)
+        with contextlib.suppress(ConnectionRefusedError):  # its peer is closed
+            datagrams_peer.send(b"x")
+            raise AssertionError("the holder kept the datagram socket it was sent")
+    finally:
+        for fd in (pipe_write, spare_write):
+            os.close(fd)
+        datagrams_peer.close()
+        sender.close()
+
+    assert a.routing.handoffs is not None and a.routing.handoffs.taken == 0
+    async with a.client() as client:  # and it serves as before
+        assert (await client.get("/health")).json()["worker"] == a.id
