@@ -110,7 +110,10 @@ class HandoffReceiver:
             return
         assert self._loop is not None
         self._loop.remove_reader(sock.fileno())
-        self._readable_from(sock)  # what was sent before we stopped is served, not dropped
+        # Senders connected already get EPIPE from now on (and take the passthrough); what
+        # they sent before is served, not dropped.
+        sock.shutdown(socket.SHUT_RD)
+        self._readable_from(sock)
         sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -125,7 +128,9 @@ class HandoffReceiver:
     def _readable_from(self, sock: socket.socket) -> None:
         while True:
             try:
-                data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+                data, fds, flags, _ = socket.recv_fds(
+                    sock, MAX_MESSAGE, 1, socket.MSG_CMSG_CLOEXEC  # (as accepted sockets are)
+                )
             except BlockingIOError:
                 return
             except OSError:  # (a descriptor limit reached, say): its sender's fd is closed
@@ -159,7 +164,7 @@ class HandoffReceiver:
         assert self._loop is not None
         try:
             await self._loop.connect_accepted_socket(lambda: self.serve(data), connection)
-        except (OSError, ValueError):
+        except Exception:
             connection.close()
             log.exception("handoff_failed")
             return

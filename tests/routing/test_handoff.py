@@ -139,6 +139,30 @@ async def test_a_holder_that_takes_no_handoffs_gets_the_first_request_by_the_pas
     assert (sb.handed_off, sb.passed_through) == (0, 1)
 
 
+async def test_a_sender_connected_before_the_holder_stopped_taking_handoffs_passes_through(
+    cluster: Cluster,
+) -> None:
+    a = await cluster.add(session_app(), front=True)
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "stopped")
+    moved = await Connection.to(b)  # b's socket to a's handoff socket is open after this
+    try:
+        assert (await moved.get("/touch", cookies))[1]["worker"] == a.id
+    finally:
+        await moved.close()
+    await a.routing.stop_handoffs()
+
+    connection = await Connection.to(b)
+    try:
+        status, body = await connection.get("/touch", cookies)
+    finally:
+        await connection.close()
+
+    assert (status, body["worker"], body["n"]) == (200, a.id, 2)
+    sb = b.routing.router.stats
+    assert (sb.handed_off, sb.passed_through) == (1, 1)
+
+
 async def test_a_request_with_no_session_keeps_its_connection_where_it_landed(
     cluster: Cluster,
 ) -> None:
