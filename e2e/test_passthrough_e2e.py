@@ -104,6 +104,21 @@ async def across(
     return cookie, holder, other, await raw_on(server, lines, other, tls, stay)
 
 
+async def echoes(raw: Raw, cookie: str, times: int) -> list[dict[str, Any]]:
+    """`GET /echo` `times` over `raw`: what the app saw each time, once each reply is
+    checked to be 200 with the caller's own address and one `date` and `server`."""
+    seen_all = []
+    for _ in range(times):
+        raw.write(get("/echo", cookie))
+        status, headers, seen = await raw.reply()
+        assert status == 200, seen
+        assert seen["client"] == ["127.0.0.1", raw.port], "the caller's own address"
+        names = [name for name, _ in headers]
+        assert names.count("date") == 1 and names.count("server") == 1, headers
+        seen_all.append(seen)
+    return seen_all
+
+
 async def test_a_connections_first_request_moves_it_to_the_holder_which_serves_the_rest(
     serve: Serve,
 ) -> None:
@@ -111,15 +126,10 @@ async def test_a_connections_first_request_moves_it_to_the_holder_which_serves_t
     cookie, holder, other, raw = await across(server, "moved", stay=False)
     before = await workers(server)
     try:
-        for _ in range(4):
-            raw.write(get("/echo", cookie))
-            status, headers, seen = await raw.reply()
-            assert (status, seen["worker"], seen["session_id"]) == (200, holder, "moved")
-            assert seen["client"] == ["127.0.0.1", raw.port], "the caller's own address"
-            names = [name for name, _ in headers]
-            assert names.count("date") == 1 and names.count("server") == 1, headers
+        seen = await echoes(raw, cookie, 4)
     finally:
         await raw.close()
+    assert {(s["worker"], s["session_id"]) for s in seen} == {(holder, "moved")}
     after = await workers(server)
     assert after[other]["handed_off"] - before[other]["handed_off"] == 1
     assert after[other]["forwarded"] - before[other]["forwarded"] == 1
@@ -137,17 +147,10 @@ async def test_requests_on_a_connection_another_worker_accepted_pass_through_to_
     server = serve(APP, 2)
     cookie, holder, other, raw = await across(server, "through")
     try:
-        for _ in range(5):
-            raw.write(get("/echo", cookie))
-            status, headers, seen = await raw.reply()
-            assert status == 200
-            assert seen["worker"] == holder
-            assert seen["session_id"] == "through"
-            assert seen["client"] == ["127.0.0.1", raw.port], "the caller's own address"
-            names = [name for name, _ in headers]
-            assert names.count("date") == 1 and names.count("server") == 1, headers
+        seen = await echoes(raw, cookie, 5)
     finally:
         await raw.close()
+    assert {(s["worker"], s["session_id"]) for s in seen} == {(holder, "through")}
     after = await workers(server)
     assert after[other]["passed_through"] == 5
     assert after[other]["forwarded"] == 5

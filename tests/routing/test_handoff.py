@@ -51,6 +51,17 @@ class Connection:
         await self.writer.wait_closed()
 
 
+async def on_one_connection(
+    node: Node, *requests: tuple[str, httpx.Cookies | None]
+) -> list[tuple[int, Any]]:
+    """Each `(path, cookies)` as a GET, in turn, on one new connection to `node`."""
+    connection = await Connection.to(node)
+    try:
+        return [await connection.get(path, cookies) for path, cookies in requests]
+    finally:
+        await connection.close()
+
+
 async def test_a_connections_first_request_for_another_workers_session_moves_it_to_the_holder(
     cluster: Cluster,
 ) -> None:
@@ -59,11 +70,7 @@ async def test_a_connections_first_request_for_another_workers_session_moves_it_
     cookies = await seeded(a, "moved")
     local_before = a.routing.router.stats.local
 
-    connection = await Connection.to(b)
-    try:
-        replies = [await connection.get("/touch", cookies) for _ in range(3)]
-    finally:
-        await connection.close()
+    replies = await on_one_connection(b, *[("/touch", cookies)] * 3)
 
     assert [(status, body["worker"], body["n"]) for status, body in replies] == [
         (200, a.id, 1), (200, a.id, 2), (200, a.id, 3)
@@ -102,13 +109,10 @@ async def test_a_later_request_for_another_workers_session_passes_through_and_ne
     b = await cluster.add(session_app(), front=True)
     on_a, on_b = await seeded(a, "first"), await seeded(b, "later")
 
-    connection = await Connection.to(b)
-    try:
-        first = await connection.get("/touch", on_a)  # moves the connection to a
-        later = await connection.get("/touch", on_b)  # b's session: a sends it back as bytes
-        again = await connection.get("/touch", on_a)
-    finally:
-        await connection.close()
+    # The first moves the connection to a; the second, b's, a sends back as bytes.
+    first, later, again = await on_one_connection(
+        b, ("/touch", on_a), ("/touch", on_b), ("/touch", on_a)
+    )
 
     assert [(s, body["worker"]) for s, body in (first, later, again)] == [
         (200, a.id), (200, b.id), (200, a.id)
@@ -128,11 +132,7 @@ async def test_a_holder_that_takes_no_handoffs_gets_the_first_request_by_the_pas
     directory, name = handoff_path(cluster.runtime_dir, a.id).rsplit("/", 1)
     assert name not in os.listdir(directory)
 
-    connection = await Connection.to(b)
-    try:
-        status, body = await connection.get("/touch", cookies)
-    finally:
-        await connection.close()
+    ((status, body),) = await on_one_connection(b, ("/touch", cookies))
 
     assert (status, body["worker"]) == (200, a.id)
     sb = b.routing.router.stats
@@ -145,18 +145,12 @@ async def test_a_sender_connected_before_the_holder_stopped_taking_handoffs_pass
     a = await cluster.add(session_app(), front=True)
     b = await cluster.add(session_app(), front=True)
     cookies = await seeded(a, "stopped")
-    moved = await Connection.to(b)  # b's socket to a's handoff socket is open after this
-    try:
-        assert (await moved.get("/touch", cookies))[1]["worker"] == a.id
-    finally:
-        await moved.close()
+    # b's socket to a's handoff socket is open after this move.
+    ((_, moved),) = await on_one_connection(b, ("/touch", cookies))
+    assert moved["worker"] == a.id
     await a.routing.stop_handoffs()
 
-    connection = await Connection.to(b)
-    try:
-        status, body = await connection.get("/touch", cookies)
-    finally:
-        await connection.close()
+    ((status, body),) = await on_one_connection(b, ("/touch", cookies))
 
     assert (status, body["worker"], body["n"]) == (200, a.id, 2)
     sb = b.routing.router.stats
@@ -170,12 +164,8 @@ async def test_a_request_with_no_session_keeps_its_connection_where_it_landed(
     b = await cluster.add(session_app(), front=True)
     cookies = await seeded(a, "stays")
 
-    connection = await Connection.to(b)
-    try:
-        plain = await connection.get("/health")
-        touched = await connection.get("/touch", cookies)  # no longer the first: passed through
-    finally:
-        await connection.close()
+    # The second is no longer the connection's first: passed through.
+    plain, touched = await on_one_connection(b, ("/health", None), ("/touch", cookies))
 
     assert (plain[1]["worker"], touched[1]["worker"]) == (b.id, a.id)
     sb = b.routing.router.stats
