@@ -5,6 +5,7 @@ either way it reaches its holder and comes back right (SPEC 4.2, 4.5, 11)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -296,3 +297,27 @@ async def test_a_passed_through_request_whose_holder_is_killed_is_answered_410_o
         assert (status, body["code"]) in {(410, "session_gone"), (503, "claimant_unavailable")}
     finally:
         await raw.close()
+
+
+async def test_a_connection_whose_holder_is_killed_with_its_move_queued_is_answered_410_or_503(
+    serve: Serve,
+) -> None:
+    """The holder is stopped, so the move waits in its socket's queue unread; it is then
+    killed. The worker that received the connection kept it until an answer, and answers
+    the request as the copying path does when a holder is gone (routing/handoff.py)."""
+    server = serve(APP, 2)
+    cookie, holder, other, raw = await across(server, "queued", stay=False)
+    pid = (await workers(server))[holder]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        raw.write(get("/echo", cookie))
+        await asyncio.sleep(0.5)  # (the move is sent; nobody reads it)
+        os.kill(pid, signal.SIGKILL)
+        status, _, body = await raw.reply()
+        assert (status, body["code"]) in {(410, "session_gone"), (503, "claimant_unavailable")}
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (killed already, unless it failed)
+            os.kill(pid, signal.SIGKILL)
+        await raw.close()
+    moved = (await workers(server))[other]
+    assert (moved["handed_off"], moved["forwarded"]) == (0, 1)

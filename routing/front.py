@@ -57,7 +57,7 @@ from tether.routing.writes import JoinedWrites
 
 log = structlog.get_logger("tether.front")
 
-__all__ = ["HANDED_OFF", "Passthrough", "fits", "front_protocol", "head_scope", "read_head"]
+__all__ = ["MOVING", "Passthrough", "fits", "front_protocol", "head_scope", "read_head"]
 
 PASSTHROUGH_MAX = 1 << 16
 """The largest request (head and body, in one read) that takes the passthrough."""
@@ -217,11 +217,12 @@ class _Spliced:
         self.front.splice_lost(self)
 
 
-class _HandedOff:
-    """What `Passthrough.start` returns for a connection it handed to the holder."""
+class _Moving:
+    """What `Passthrough.start` returns for a connection it is handing to the holder
+    (handoff.py): the connection waits, not read, for the holder's answer."""
 
 
-HANDED_OFF = _HandedOff()
+MOVING = _Moving()
 
 
 class Passthrough:
@@ -242,10 +243,10 @@ class Passthrough:
         self.links = Links()
         self.handoffs = None if handoff_of is None else Handoffs(handoff_of)
 
-    def start(self, front: Any, data: bytes, first: bool = False) -> _Spliced | _HandedOff | None:
+    def start(self, front: Any, data: bytes, first: bool = False) -> _Spliced | _Moving | None:
         """Send the request `data` holds whole to its session's holder, if it may take
         the passthrough (or, as the connection's `first` request, hand the connection to
-        it: HANDED_OFF); None (nothing sent) otherwise."""
+        it: MOVING, and `front` is told how that ended); None (nothing sent) otherwise."""
         started = time.perf_counter()
         if len(data) > PASSTHROUGH_MAX:
             return None
@@ -264,11 +265,11 @@ class Passthrough:
         if target is None:
             return None
         if first and self.handoffs is not None and self.handoffs.send(
-            target, front.raw_transport.get_extra_info("socket").fileno(), data
+            target, front.raw_transport.get_extra_info("socket").fileno(), data, front
         ):
             router.stats.forwarded += 1
             router.stats.handed_off += 1
-            return HANDED_OFF
+            return MOVING
         path = self._paths.get(target)
         if path is None:
             path = self._paths[target] = self.path_of(target)
@@ -298,6 +299,11 @@ class Passthrough:
             link.close()
         if router.access_log:
             router.log_request(spliced.method, spliced.path, status, spliced.session_id, elapsed)
+
+    def kept(self) -> None:
+        """A move its holder did not take: the copying path serves it, and counts it."""
+        self.router.stats.forwarded -= 1
+        self.router.stats.handed_off -= 1
 
     def retry(self, spliced: _Spliced) -> bool:
         """Whether a request whose link failed before its reply began may be sent again
@@ -371,6 +377,8 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             """No request has started on this connection yet."""
             self._handed_in: bytes | None = None
             self._mark_handed = False
+            self._moving: bytes | None = None
+            """The request of this connection while it is being moved (handoff.py)."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.raw_transport = transport
@@ -410,7 +418,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
 
         def data_received(self, data: bytes) -> None:
             first, self._first = self._first, False
-            if self._spliced is not None:
+            if self._spliced is not None or self._moving is not None:
                 self._held.append(data)  # pipelined behind the spliced request
                 self._held_size += len(data)
                 if self._held_size > PASSTHROUGH_MAX:
@@ -429,14 +437,33 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 except Exception:  # (out of file descriptors, say): uvicorn's way answers
                     log.exception("passthrough_failed")
                     spliced = None
-                if isinstance(spliced, _HandedOff):
-                    self.raw_transport.abort()  # our descriptor only: the holder has its own
+                if isinstance(spliced, _Moving):
+                    self._moving = data
+                    self.raw_transport.pause_reading()  # (the holder may read it already)
                     return
                 if spliced is not None:
                     self._unset_keepalive_if_required()
                     self._spliced = spliced
                     return
             super().data_received(data)
+
+        def moved(self) -> None:
+            """The holder took this connection (handoff.py)."""
+            if self._moving is not None:
+                self._moving = None
+                self.raw_transport.abort()  # our descriptor only: the holder has its own
+
+        def kept(self) -> None:
+            """The holder did not take this connection: its request is served from here,
+            the copying way (its 410 and 503 rules answer it if the holder is gone)."""
+            data, self._moving = self._moving, None
+            if data is None:
+                return
+            passthrough.kept()
+            self.raw_transport.resume_reading()
+            super().data_received(data + self._take_held())
+            if self._closing:
+                super().shutdown()
 
         def spliced(self, spliced: _Spliced, keep_alive: bool) -> None:
             """The spliced request's reply is complete."""
@@ -483,14 +510,15 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             self._next(True)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._moving = None  # (the holder's answer, if any, is then nothing to us)
             spliced, self._spliced = self._spliced, None
             if spliced is not None:
                 passthrough.finished(spliced, 0, False)  # closes the link: the holder sees it
             super().connection_lost(exc)
 
         def shutdown(self) -> None:
-            if self._spliced is not None:
-                self._closing = True  # closes once the reply is out
+            if self._spliced is not None or self._moving is not None:
+                self._closing = True  # closes once the reply is out (or the move is)
                 return
             super().shutdown()
 

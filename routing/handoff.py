@@ -1,7 +1,7 @@
 """Connection handoff: the receiving worker passes a client's connection itself to the
 worker of this host that holds the session its first request names, with the bytes it
-already read (SCM_RIGHTS over a Unix datagram socket); the holder serves the connection
-as if it had accepted it, sees the caller's real address, and nothing is copied after.
+already read (SCM_RIGHTS); the holder serves the connection as if it had accepted it,
+sees the caller's real address, and nothing is copied after.
 
 Only a connection's first request moves it, and a connection moves once: a later request
 on it for a session another worker holds takes the passthrough or the copying path from
@@ -10,12 +10,19 @@ kernel client's, an MCP client's) is then served with no hop at all; a load bala
 pool of mixed sessions costs one move per connection, not one per request (moving on
 every request was measured slower than copying: docs/architecture.md).
 
-Each worker binds `w/<id>.handoff` (0600, in the 0700 runtime directory) as a datagram
-socket. A message is one whole request's bytes with the connection's descriptor. A send
-that does not go through at once (the holder's queue full, its socket not bound yet or
-gone) leaves the connection where it is, and its request takes the passthrough. A message
-the holder never reads (it died with it queued) closes its connection unanswered, as a
-connection in a dead server's listen backlog is reset.
+A move is acknowledged. Each worker listens on `w/<id>.handoff` (0600, in the 0700
+runtime directory), a Unix seqpacket socket; each other worker keeps one connection to
+it. A move is one message: its number and the request's bytes, with the connection's
+descriptor. The holder answers each with its number and whether it took the connection,
+before it serves a byte of it. The sender keeps its own descriptor, and stops reading
+it, until that answer: taken, it drops the descriptor; refused (the holder could not
+receive the descriptor, out of them, say), or the holder's socket closing with the move
+unanswered (it crashed, or stopped with it queued), it serves the request itself the
+copying way, whose 410 and 503 rules answer it (SPEC 4.5). So a move loses nothing and
+serves nothing twice: the holder closes its channel, unserved, rather than take a
+connection whose answer it could not send. A send that does not go through at once (the
+holder's queue full, its socket not bound yet or gone) leaves the request to the
+passthrough.
 """
 
 from __future__ import annotations
@@ -24,54 +31,129 @@ import asyncio
 import contextlib
 import os
 import socket
+import struct
 from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 
-__all__ = ["MAX_MESSAGE", "HandoffReceiver", "Handoffs"]
+__all__ = ["MAX_REQUEST", "HandoffReceiver", "Handoffs", "Mover"]
 
 log = structlog.get_logger("tether.handoff")
 
 _FAMILIES = (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)  # (AF_UNIX: `--uds`)
-MAX_MESSAGE = (1 << 16) + 1
-"""The largest request a handoff carries, and one byte more to tell a longer one."""
+MAX_REQUEST = 1 << 16
+"""The largest request a move carries."""
+_NUMBER = struct.Struct("<Q")
+"""A move's number, which leads its message."""
+_ANSWER = struct.Struct("<Q?")
+"""The holder's answer to a move: its number, and whether it took the connection."""
+_LARGEST = _NUMBER.size + MAX_REQUEST + 1  # (one byte more tells a longer message)
+
+
+class Mover(Protocol):
+    """The sender's side of one connection being moved, told how its move ended."""
+
+    def moved(self) -> None:
+        """The holder took the connection: drop this worker's descriptor of it."""
+
+    def kept(self) -> None:
+        """The holder did not take it: serve its request here."""
+
+
+class _Channel:
+    """One sender's connection to one holder's handoff socket, with its moves that are
+    not answered yet."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock = sock
+        self.loop = loop
+        self.pending: dict[int, Mover] = {}
+        self._next = 0
+        self.closed = False
+        loop.add_reader(sock.fileno(), self._readable)
+
+    def send(self, connection: int, data: bytes, mover: Mover) -> bool:
+        number = self._next
+        try:
+            socket.send_fds(self.sock, [_NUMBER.pack(number), data], [connection])
+        except BlockingIOError:
+            return False  # its queue is full: it is busy, the passthrough takes this one
+        except OSError:
+            self.close()  # it went away (a new socket is tried next time)
+            return False
+        self._next = number + 1
+        self.pending[number] = mover
+        return True
+
+    def _readable(self) -> None:
+        if not self._answer_all():
+            self.close()
+
+    def _answer_all(self) -> bool:
+        """Tell the movers of every answer that is here; False once the holder closed
+        its side (or broke it)."""
+        while True:
+            try:
+                message = self.sock.recv(_ANSWER.size + 1)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if len(message) != _ANSWER.size:
+                return False
+            number, taken = _ANSWER.unpack(message)
+            mover = self.pending.pop(number, None)
+            if mover is None:
+                continue
+            if taken:
+                mover.moved()
+            else:
+                mover.kept()
+
+    def close(self) -> None:
+        """Act on the answers already here, then give every move still unanswered back
+        to its connection: the holder closed this channel without taking them."""
+        if self.closed:
+            return
+        self.closed = True
+        self._answer_all()  # (answers come before the end of the channel)
+        self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        pending, self.pending = self.pending, {}
+        for mover in pending.values():
+            mover.kept()
 
 
 class Handoffs:
-    """The sending side: one connected datagram socket per holder's handoff socket."""
+    """The sending side: one channel per holder's handoff socket."""
 
     def __init__(self, path_of: Callable[[str], str]) -> None:
         """`path_of`: a worker's handoff socket."""
         self.path_of = path_of
-        self._sockets: dict[str, socket.socket] = {}
+        self._channels: dict[str, _Channel] = {}
 
-    def send(self, worker: str, connection: int, data: bytes) -> bool:
-        """Pass the connection whose descriptor is `connection`, and the request `data`
-        read from it, to `worker`; False (nothing sent) if that cannot be done at once."""
-        sock = self._sockets.get(worker)
-        if sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    def send(self, worker: str, connection: int, data: bytes, mover: Mover) -> bool:
+        """Start moving the connection whose descriptor is `connection`, and the request
+        `data` read from it, to `worker`; `mover` is told how it ended. False (nothing
+        sent, `mover` never told) if that cannot be done at once."""
+        channel = self._channels.get(worker)
+        if channel is None or channel.closed:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             sock.setblocking(False)
             try:
                 sock.connect(self.path_of(worker))
             except OSError:
                 sock.close()
                 return False
-            self._sockets[worker] = sock
-        try:
-            socket.send_fds(sock, [data], [connection])
-        except BlockingIOError:
-            return False  # its queue is full: it is busy, the passthrough takes this one
-        except OSError:
-            del self._sockets[worker]  # it went away (a new socket is tried next time)
-            sock.close()
-            return False
-        return True
+            channel = self._channels[worker] = _Channel(sock, asyncio.get_running_loop())
+        return channel.send(connection, data, mover)
 
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close()
-        self._sockets.clear()
+        """Close every channel (once the public server's connections are closed)."""
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
 
 class HandoffReceiver:
@@ -83,88 +165,143 @@ class HandoffReceiver:
         self.serve = serve
         self.taken = 0
         """Connections handed here and served."""
-        self._sock: socket.socket | None = None
+        self._listener: socket.socket | None = None
+        self._channels: set[socket.socket] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         """Bind the socket (0600) and take connections on the running loop."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.bind(self.path)
-            os.chmod(self.path, 0o600)  # (the directory is 0700: nobody sent before this)
+            os.chmod(self.path, 0o600)  # (the directory is 0700: nobody connected before)
+            sock.listen(128)
             sock.setblocking(False)
             self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(sock.fileno(), self._readable)
+            self._loop.add_reader(sock.fileno(), self._accept)
         except BaseException:
             sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
             raise
-        self._sock = sock
+        self._listener = sock
 
     async def stop(self) -> None:
-        """Take no more connections; those already handed here are the server's to close."""
-        sock, self._sock = self._sock, None
-        if sock is None:
+        """Take no more connections: those already sent here are taken and served, later
+        ones go back to their senders (who see the channel close). Those handed here are
+        the server's to close."""
+        listener, self._listener = self._listener, None
+        if listener is None:
             return
         assert self._loop is not None
-        self._loop.remove_reader(sock.fileno())
-        # Senders connected already get EPIPE from now on (and take the passthrough); what
-        # they sent before is served, not dropped.
-        sock.shutdown(socket.SHUT_RD)
-        self._readable_from(sock)
-        sock.close()
+        self._loop.remove_reader(listener.fileno())
+        self._accept_from(listener)
+        listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        for channel in list(self._channels):
+            self._readable(channel)
+            self._close(channel)
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _readable(self) -> None:
-        if self._sock is not None:
-            self._readable_from(self._sock)
+    def _accept(self) -> None:
+        if self._listener is not None:
+            self._accept_from(self._listener)
 
-    def _readable_from(self, sock: socket.socket) -> None:
+    def _accept_from(self, listener: socket.socket) -> None:
+        assert self._loop is not None
         while True:
             try:
+                channel, _ = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError:  # (a descriptor limit reached, say): its sender retries later
+                log.exception("handoff_accept_failed")
+                return
+            channel.setblocking(False)
+            self._channels.add(channel)
+            self._loop.add_reader(channel.fileno(), self._readable, channel)
+
+    def _close(self, channel: socket.socket) -> None:
+        if channel in self._channels:
+            self._channels.discard(channel)
+            assert self._loop is not None
+            self._loop.remove_reader(channel.fileno())
+            channel.close()
+
+    def _readable(self, channel: socket.socket) -> None:
+        while channel in self._channels:
+            try:
                 data, fds, flags, _ = socket.recv_fds(
-                    sock, MAX_MESSAGE, 1, socket.MSG_CMSG_CLOEXEC  # (as accepted sockets are)
+                    channel, _LARGEST, 1, socket.MSG_CMSG_CLOEXEC  # (as accepted sockets are)
                 )
             except BlockingIOError:
                 return
-            except OSError:  # (a descriptor limit reached, say): its sender's fd is closed
+            except OSError:
                 log.exception("handoff_receive_failed")
+                data, fds, flags = b"", [], 0
+            if not data and not fds:  # the sender closed its side
+                self._close(channel)
                 return
-            self._take(data, fds, flags)
+            self._take(channel, data, fds, flags)
 
-    def _take(self, data: bytes, fds: list[int], flags: int) -> None:
-        if len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not data:
+    def _take(self, channel: socket.socket, data: bytes, fds: list[int], flags: int) -> None:
+        connection = self._connection(data, fds, flags)
+        if len(data) < _NUMBER.size:
+            if connection is not None:
+                connection.close()
+            self._close(channel)  # not a move at all: nothing to answer
+            return
+        (number,) = _NUMBER.unpack_from(data)
+        try:
+            channel.send(_ANSWER.pack(number, connection is not None))
+        except OSError:  # (its queue full, or it is gone): it takes its moves back
+            if connection is not None:
+                connection.close()
+            self._close(channel)
+            return
+        if connection is None:
+            return
+        assert self._loop is not None
+        task = self._loop.create_task(
+            self._connect(connection, data[_NUMBER.size :]), name="tether-handoff"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _connection(self, data: bytes, fds: list[int], flags: int) -> socket.socket | None:
+        """The client connection a move's message carries; None (its descriptors closed)
+        for a message that is not one request and one stream connection."""
+        request_size = len(data) - _NUMBER.size
+        if (
+            len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC)
+            or not 0 < request_size <= MAX_REQUEST
+        ):
             for fd in fds:
                 os.close(fd)
             log.warning("handoff_refused", reason="not one connection and one request",
-                        descriptors=len(fds), size=len(data))
-            return
+                        descriptors=len(fds), size=request_size)
+            return None
         try:
             connection = socket.socket(fileno=fds[0])
         except OSError:  # not a socket at all
             os.close(fds[0])
             log.warning("handoff_refused", reason="not a socket")
-            return
+            return None
         if connection.type != socket.SOCK_STREAM or connection.family not in _FAMILIES:
             connection.close()
             log.warning("handoff_refused", reason="not a stream connection")
-            return
-        assert self._loop is not None
-        task = self._loop.create_task(self._connect(connection, data), name="tether-handoff")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            return None
+        return connection
 
     async def _connect(self, connection: socket.socket, data: bytes) -> None:
         assert self._loop is not None
         try:
             await self._loop.connect_accepted_socket(lambda: self.serve(data), connection)
-        except Exception:
+        except Exception:  # (the sender dropped its descriptor: unanswered, as in a crash)
             connection.close()
             log.exception("handoff_failed")
             return

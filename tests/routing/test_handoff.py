@@ -9,9 +9,11 @@ import json
 import os
 import socket
 import stat
+import struct
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.routing.apps import session_app
 from tests.routing.conftest import Cluster, Node
@@ -172,6 +174,19 @@ async def test_a_request_with_no_session_keeps_its_connection_where_it_landed(
     assert (sb.handed_off, sb.passed_through) == (0, 1)
 
 
+async def answer(number: int, taken: bool, channel: socket.socket, within: float = 5.0) -> None:
+    """Wait for the handoff socket's answer on `channel` and check it."""
+    for _ in range(int(within / 0.01)):
+        try:
+            message = channel.recv(64)
+        except BlockingIOError:
+            await asyncio.sleep(0.01)
+            continue
+        assert message == struct.pack("<Q?", number, taken), message
+        return
+    raise AssertionError(f"no answer to move {number}")
+
+
 async def test_the_handoff_socket_is_0600_and_refuses_anything_but_one_stream_connection(
     cluster: Cluster,
 ) -> None:
@@ -182,14 +197,23 @@ async def test_the_handoff_socket_is_0600_and_refuses_anything_but_one_stream_co
     pipe_read, pipe_write = os.pipe()  # not a socket
     spare_read, spare_write = os.pipe()
     datagrams, datagrams_peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     request = b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n"
+
+    def move(number: int, *fds: int) -> None:
+        socket.send_fds(channel, [struct.pack("<Q", number), request], list(fds))
+
     try:
-        sender.connect(path)
-        sender.send(request)  # no descriptor
-        socket.send_fds(sender, [request], [pipe_read])
-        socket.send_fds(sender, [request], [datagrams.fileno()])
-        socket.send_fds(sender, [request], [datagrams.fileno(), spare_read])
+        channel.connect(path)
+        channel.setblocking(False)
+        move(0)  # no descriptor
+        await answer(0, False, channel)
+        move(1, pipe_read)
+        await answer(1, False, channel)
+        move(2, datagrams.fileno())
+        await answer(2, False, channel)
+        move(3, datagrams.fileno(), spare_read)
+        await answer(3, False, channel)
         for fd in (pipe_read, spare_read):
             os.close(fd)
         datagrams.close()
@@ -209,12 +233,71 @@ async def test_the_handoff_socket_is_0600_and_refuses_anything_but_one_stream_co
         with contextlib.suppress(ConnectionRefusedError):  # its peer is closed
             datagrams_peer.send(b"x")
             raise AssertionError("the holder kept the datagram socket it was sent")
+
+        channel.send(b"x")  # not even a move's number: the holder closes the channel
+        for _ in range(500):
+            with contextlib.suppress(BlockingIOError):
+                assert channel.recv(64) == b"", "an answer to what is not a move"
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the holder kept a channel that sent it garbage")
     finally:
         for fd in (pipe_write, spare_write):
             os.close(fd)
         datagrams_peer.close()
-        sender.close()
+        channel.close()
 
     assert a.routing.handoffs is not None and a.routing.handoffs.taken == 0
     async with a.client() as client:  # and it serves as before
         assert (await client.get("/health")).json()["worker"] == a.id
+
+
+@pytest.mark.parametrize("taken", [False, None], ids=["refused", "unanswered"])
+async def test_a_move_the_holder_does_not_take_is_served_from_the_worker_that_received_it(
+    cluster: Cluster, taken: bool | None
+) -> None:
+    """The holder refuses the move (it could not receive the descriptor, say), or closes
+    its socket with the move unanswered (as when it crashes with the move queued): the
+    receiving worker, which kept its descriptor, serves the request the copying way."""
+    a = await cluster.add(session_app(), front=True)
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "kept")
+    await a.routing.stop_handoffs()  # a's handoff socket is then this test's
+    path = handoff_path(cluster.runtime_dir, a.id)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def holder() -> None:
+        channel, _ = await loop.sock_accept(listener)
+        with channel:
+            for _ in range(500):
+                try:
+                    data, fds, _, _ = socket.recv_fds(channel, 1 << 17, 1)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("no move came")
+            for fd in fds:
+                os.close(fd)  # the holder's copy only
+            if taken is not None:
+                channel.send(struct.pack("<Q?", struct.unpack_from("<Q", data)[0], taken))
+
+    try:
+        holding = asyncio.create_task(holder())
+        async with asyncio.timeout(15):
+            replies = await on_one_connection(b, ("/touch", cookies), ("/touch", cookies))
+            await holding
+    finally:
+        listener.close()
+        os.unlink(path)
+
+    assert [(status, body["worker"], body["n"]) for status, body in replies] == [
+        (200, a.id, 1), (200, a.id, 2)
+    ]
+    sb = b.routing.router.stats
+    assert (sb.handed_off, sb.forwarded, sb.passed_through) == (0, 2, 1)
