@@ -242,6 +242,7 @@ class Passthrough:
         self._paths: dict[WorkerId, str] = {}
         self.links = Links()
         self.handoffs = None if handoff_of is None else Handoffs(handoff_of)
+        self.closed = False
 
     def start(self, front: Any, data: bytes, first: bool = False) -> _Spliced | _Moving | None:
         """Send the request `data` holds whole to its session's holder, if it may take
@@ -329,7 +330,15 @@ class Passthrough:
             error = session_gone(spliced.session_id)  # type: ignore[arg-type]
         return encode_reply(router.refusal(error), default_headers)
 
+    def stopping(self, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The reply to a request this worker can no longer serve (it has stopped): 503."""
+        error = TetherError("claimant_unavailable", f"the worker {self.router.worker} stopped")
+        return encode_reply(self.router.refusal(error), default_headers)
+
     def close(self) -> None:
+        """Once the public server's connections are closed: close the links, then the
+        handoff channels (a move still unanswered is answered 503 from here)."""
+        self.closed = True
         self.links.close()
         if self.handoffs is not None:
             self.handoffs.close()
@@ -460,6 +469,12 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             if data is None:
                 return
             passthrough.kept()
+            if self.raw_transport.is_closing():  # (closed meanwhile: nothing to answer on)
+                return
+            if passthrough.closed:  # this worker has stopped serving: nothing serves it
+                self.raw_transport.write(passthrough.stopping(self.server_state.default_headers))
+                self.raw_transport.close()
+                return
             self.raw_transport.resume_reading()
             super().data_received(data + self._take_held())
             if self._closing:
@@ -510,7 +525,6 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             self._next(True)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._moving = None  # (the holder's answer, if any, is then nothing to us)
             spliced, self._spliced = self._spliced, None
             if spliced is not None:
                 passthrough.finished(spliced, 0, False)  # closes the link: the holder sees it

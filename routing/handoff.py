@@ -15,20 +15,22 @@ runtime directory), a Unix seqpacket socket; each other worker keeps one connect
 it. A move is one message: its number and the request's bytes, with the connection's
 descriptor. The holder answers each with its number and whether it took the connection,
 before it serves a byte of it. The sender keeps its own descriptor, and stops reading
-it, until that answer: taken, it drops the descriptor; refused (the holder could not
-receive the descriptor, out of them, say), or the holder's socket closing with the move
-unanswered (it crashed, or stopped with it queued), it serves the request itself the
-copying way, whose 410 and 503 rules answer it (SPEC 4.5). So a move loses nothing and
-serves nothing twice: the holder closes its channel, unserved, rather than take a
-connection whose answer it could not send. A send that does not go through at once (the
-holder's queue full, its socket not bound yet or gone) leaves the request to the
-passthrough.
+it, until that answer: taken, it drops the descriptor. Refused (the holder could not
+receive the descriptor: out of them, say), the channel closing with the move unanswered
+(the holder crashed, or stopped with it queued), or no answer within MOVE_TIMEOUT_S (its
+loop is stuck): it serves the request itself the copying way, whose 410 and 503 rules
+answer it (SPEC 4.5). A move is answered or given back, never both: a holder that cannot
+send its answer does not take the connection, and a sender shuts its channel for
+reading before it gives the unanswered moves back, so no answer can arrive after. A send
+that does not go through at once (the holder's queue full, its socket not bound yet or
+gone) leaves the request to the passthrough.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -37,7 +39,7 @@ from typing import Protocol
 
 import structlog
 
-__all__ = ["MAX_REQUEST", "HandoffReceiver", "Handoffs", "Mover"]
+__all__ = ["MAX_REQUEST", "MOVE_TIMEOUT_S", "HandoffReceiver", "Handoffs", "Mover"]
 
 log = structlog.get_logger("tether.handoff")
 
@@ -49,6 +51,11 @@ _NUMBER = struct.Struct("<Q")
 _ANSWER = struct.Struct("<Q?")
 """The holder's answer to a move: its number, and whether it took the connection."""
 _LARGEST = _NUMBER.size + MAX_REQUEST + 1  # (one byte more tells a longer message)
+MOVE_TIMEOUT_S = 5.0
+"""How long a sender waits for a holder's answer to a move (as the forwarder waits for a
+connection to it) before it takes its moves back."""
+_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ECONNREFUSED})
+"""A send's errors that say the holder's side of the channel is closed."""
 
 
 class Mover(Protocol):
@@ -65,11 +72,16 @@ class _Channel:
     """One sender's connection to one holder's handoff socket, with its moves that are
     not answered yet."""
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, sock: socket.socket, loop: asyncio.AbstractEventLoop, timeout: float
+    ) -> None:
         self.sock = sock
         self.loop = loop
-        self.pending: dict[int, Mover] = {}
+        self.timeout = timeout
+        self.pending: dict[int, tuple[Mover, float]] = {}
+        """Each unanswered move's mover and when it was sent, oldest first."""
         self._next = 0
+        self._deadline: asyncio.TimerHandle | None = None
         self.closed = False
         loop.add_reader(sock.fileno(), self._readable)
 
@@ -77,13 +89,14 @@ class _Channel:
         number = self._next
         try:
             socket.send_fds(self.sock, [_NUMBER.pack(number), data], [connection])
-        except BlockingIOError:
-            return False  # its queue is full: it is busy, the passthrough takes this one
-        except OSError:
-            self.close()  # it went away (a new socket is tried next time)
-            return False
+        except OSError as error:
+            if error.errno in _GONE:
+                self.close()  # it went away (a new socket is tried next time)
+            return False  # (its queue full, say: it is busy, the passthrough takes this one)
         self._next = number + 1
-        self.pending[number] = mover
+        self.pending[number] = (mover, self.loop.time())
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.timeout, self._expire)
         return True
 
     def _readable(self) -> None:
@@ -92,18 +105,23 @@ class _Channel:
 
     def _answer_all(self) -> bool:
         """Tell the movers of every answer that is here; False once the holder closed
-        its side (or broke it)."""
+        its side. (With a move of ours unread, the holder's close reads as a reset first,
+        and its answers come after.)"""
+        reset = False
         while True:
             try:
                 message = self.sock.recv(_ANSWER.size + 1)
             except BlockingIOError:
-                return True
+                return not reset
+            except ConnectionResetError:
+                reset = True
+                continue
             except OSError:
                 return False
             if len(message) != _ANSWER.size:
                 return False
             number, taken = _ANSWER.unpack(message)
-            mover = self.pending.pop(number, None)
+            mover, _ = self.pending.pop(number, (None, 0.0))
             if mover is None:
                 continue
             if taken:
@@ -111,26 +129,56 @@ class _Channel:
             else:
                 mover.kept()
 
+    def _expire(self) -> None:
+        """A holder that answers no move within the timeout (its loop stuck, or it is
+        stopped) gets none: its channel closes, and its moves go back."""
+        self._deadline = None
+        if not self.pending:
+            return
+        _, sent = next(iter(self.pending.values()))
+        left = sent + self.timeout - self.loop.time()
+        if left > 0:
+            self._deadline = self.loop.call_later(left, self._expire)
+            return
+        log.warning("handoff_unanswered", moves=len(self.pending), after_s=self.timeout)
+        self.close()
+
     def close(self) -> None:
-        """Act on the answers already here, then give every move still unanswered back
-        to its connection: the holder closed this channel without taking them."""
+        """Close the channel and give every move the holder has not answered back to its
+        connection. Shut for reading first: from then on the holder cannot answer (it
+        gets EPIPE, and does not take the move), so a move is either answered here or
+        given back, never both."""
         if self.closed:
             return
         self.closed = True
-        self._answer_all()  # (answers come before the end of the channel)
-        self.loop.remove_reader(self.sock.fileno())
-        self.sock.close()
-        pending, self.pending = self.pending, {}
-        for mover in pending.values():
-            mover.kept()
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        try:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RD)
+            self._answer_all()
+        finally:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            pending, self.pending = self.pending, {}
+            for mover, _ in pending.values():
+                try:
+                    mover.kept()
+                except Exception:
+                    log.exception("handoff_take_back_failed")
 
 
 class Handoffs:
     """The sending side: one channel per holder's handoff socket."""
 
-    def __init__(self, path_of: Callable[[str], str]) -> None:
-        """`path_of`: a worker's handoff socket."""
+    def __init__(
+        self, path_of: Callable[[str], str], move_timeout: float = MOVE_TIMEOUT_S
+    ) -> None:
+        """`path_of`: a worker's handoff socket; `move_timeout`: how long a move waits
+        for its answer before it is taken back."""
         self.path_of = path_of
+        self.move_timeout = move_timeout
         self._channels: dict[str, _Channel] = {}
 
     def send(self, worker: str, connection: int, data: bytes, mover: Mover) -> bool:
@@ -146,7 +194,9 @@ class Handoffs:
             except OSError:
                 sock.close()
                 return False
-            channel = self._channels[worker] = _Channel(sock, asyncio.get_running_loop())
+            channel = self._channels[worker] = _Channel(
+                sock, asyncio.get_running_loop(), self.move_timeout
+            )
         return channel.send(connection, data, mover)
 
     def close(self) -> None:

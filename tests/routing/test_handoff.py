@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import struct
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ import pytest
 from tests.routing.apps import session_app
 from tests.routing.conftest import Cluster, Node
 from tests.routing.test_hop import seeded
+from tether.routing.handoff import Handoffs
 from tether.routing.worker import handoff_path
 
 
@@ -301,3 +303,109 @@ async def test_a_move_the_holder_does_not_take_is_served_from_the_worker_that_re
     ]
     sb = b.routing.router.stats
     assert (sb.handed_off, sb.forwarded, sb.passed_through) == (0, 2, 1)
+
+
+class Told:
+    """A mover that records how its move ended."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        self.name, self.log = name, log
+
+    def moved(self) -> None:
+        self.log.append((self.name, "moved"))
+
+    def kept(self) -> None:
+        self.log.append((self.name, "kept"))
+
+
+class Holder:
+    """A handoff socket at `path` that this test answers by hand, as a holder would, or
+    fails to, at the step a test names."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        self.channel: socket.socket | None = None
+
+    def take(self) -> tuple[int, list[int]]:
+        """Read one move: its number and descriptors (the test closes them)."""
+        if self.channel is None:
+            self.channel, _ = self.listener.accept()
+        data, fds, _, _ = socket.recv_fds(self.channel, 1 << 17, 1)
+        return struct.unpack_from("<Q", data)[0], fds
+
+    def answer(self, number: int, taken: bool) -> None:
+        assert self.channel is not None
+        self.channel.send(struct.pack("<Q?", number, taken))
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.listener.close()
+
+
+async def moves(short_tmp: Path, count: int) -> tuple[Handoffs, Holder, list[Any], list[Any]]:
+    """A sender with `count` moves sent to a `Holder`: the sender, the holder, the movers'
+    record, and the descriptors moved (pipes' read ends, closed by the test)."""
+    holder = Holder(short_tmp / "h.handoff")
+    sender = Handoffs(lambda worker: str(short_tmp / f"{worker}.handoff"), move_timeout=0.3)
+    told: list[tuple[str, str]] = []
+    pipes = [os.pipe() for _ in range(count)]
+    for index, (read, _) in enumerate(pipes):
+        assert sender.send("h", read, b"GET / HTTP/1.1\r\n\r\n", Told(f"move {index}", told))
+    return sender, holder, told, pipes
+
+
+async def settled(told: list[Any], count: int) -> list[Any]:
+    for _ in range(300):
+        if len(told) >= count:
+            return sorted(told)
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"only {told} of {count} moves were settled")
+
+
+def close_all(pipes: list[tuple[int, int]], *fds: int) -> None:
+    for fd in [fd for pair in pipes for fd in pair] + list(fds):
+        os.close(fd)
+
+
+@pytest.mark.parametrize("closing_first", [False, True], ids=["reading", "closing"])
+async def test_a_holder_that_takes_one_move_and_closes_with_the_next_unread_gives_back_only_that(
+    short_tmp: Path, closing_first: bool
+) -> None:
+    sender, holder, told, pipes = await moves(short_tmp, 2)
+    number, fds = holder.take()
+    holder.answer(number, True)
+    holder.close()  # (move 1 unread: the sender reads a reset before the answer)
+    if closing_first:
+        sender.close()  # (it stops as the holder crashes: its close reads what is left)
+
+    assert await settled(told, 2) == [("move 0", "moved"), ("move 1", "kept")]
+    sender.close()
+    close_all(pipes, *fds)
+
+
+async def test_a_sender_closing_its_channel_gives_its_moves_back_and_no_answer_reaches_it_after(
+    short_tmp: Path,
+) -> None:
+    sender, holder, told, pipes = await moves(short_tmp, 1)
+    number, fds = holder.take()
+
+    sender.close()
+    with pytest.raises(BrokenPipeError):  # the holder learns it may not take the move
+        holder.answer(number, True)
+
+    assert told == [("move 0", "kept")]
+    holder.close()
+    close_all(pipes, *fds)
+
+
+async def test_a_move_its_holder_does_not_answer_in_time_is_given_back(short_tmp: Path) -> None:
+    sender, holder, told, pipes = await moves(short_tmp, 1)
+    _, fds = holder.take()  # and never answered
+
+    assert await settled(told, 1) == [("move 0", "kept")]
+    sender.close()
+    holder.close()
+    close_all(pipes, *fds)
