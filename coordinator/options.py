@@ -74,6 +74,8 @@ class ServeOptions:
     backlog: int = 2048
     http: Literal["auto", "h11", "httptools"] = "httptools"
     ws: Literal["auto", "none", "websockets", "wsproto"] = "auto"
+    ws_ping_interval: float = 20.0
+    ws_ping_timeout: float = 20.0
     loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     h11_max_incomplete_event_size: int | None = None
     headers: list[tuple[str, str]] = field(default_factory=list)
@@ -147,6 +149,10 @@ class ServeOptions:
                             (self.timeout_keep_alive, "--timeout-keep-alive")):
             if limit < 0:
                 return f"{flag} must not be negative"
+        for seconds, flag in ((self.ws_ping_interval, "--ws-ping-interval"),
+                              (self.ws_ping_timeout, "--ws-ping-timeout")):
+            if not seconds > 0:
+                return f"{flag} must be a positive number of seconds"
         return None
 
     def _cluster_problem(self) -> str | None:
@@ -189,6 +195,8 @@ class ServeOptions:
             "backlog": self.backlog,
             "http": self.http,
             "ws": self.ws,
+            "ws_ping_interval": self.ws_ping_interval,
+            "ws_ping_timeout": self.ws_ping_timeout,
             "loop": self.loop,
             "h11_max_incomplete_event_size": self.h11_max_incomplete_event_size,
             "headers": [list(pair) for pair in self.headers],
@@ -304,6 +312,10 @@ FLAGS: tuple[Flag, ...] = (
          choices=("auto", "h11", "httptools")),
     Flag("ws", "the WebSocket protocol implementation (default auto)",
          choices=("auto", "none", "websockets", "wsproto")),
+    Flag("ws-ping-interval", "seconds between WebSocket pings, to clients and to the "
+         "workers a WebSocket is relayed to (default 20)", float),
+    Flag("ws-ping-timeout", "seconds a WebSocket ping may go unanswered before the "
+         "connection is dropped (default 20)", float),
     Flag("loop", "the event loop (default auto)", choices=("auto", "asyncio", "uvloop")),
     Flag("h11-max-incomplete-event-size", "h11's limit on a request head, in bytes", int),
     Flag("header", "add this header to every reply; repeatable", _header, dest="headers",

@@ -41,6 +41,7 @@ from tether.routing.front import fits, front_protocol
 from tether.routing.kinds import SessionKind
 from tether.routing.logs import LogFormat, configure_logging, say
 from tether.routing.mcp import share_request_state_key
+from tether.routing.relay import PING_INTERVAL_S, PING_TIMEOUT_S
 from tether.routing.types import SessionId, WorkerId, worker_id_or_none
 from tether.routing.worker import HopListener, RoutingWorker
 
@@ -127,6 +128,10 @@ class TetherWorker:
             admission=self.participant,
             access_log=settings.access_log,
             drain_s=settings.uvicorn.get("timeout_graceful_shutdown"),
+            ws_ping=(
+                settings.uvicorn.get("ws_ping_interval", PING_INTERVAL_S),
+                settings.uvicorn.get("ws_ping_timeout", PING_TIMEOUT_S),
+            ),
             hops=None if cluster is None else HopListener(
                 cluster["advertise"], bytes.fromhex(cluster["hop_secret"])
             ),

@@ -258,6 +258,37 @@ async def test_a_sigkilled_holder_closes_its_relayed_websockets_and_refuses_new_
             assert await refused() is not None
 
 
+async def test_a_relayed_websocket_whose_holder_stops_answering_pings_is_closed_1011(
+    serve: Serve,
+) -> None:
+    """The holder is stopped (SIGSTOP: no reset, no close, as a hung host): the worker
+    that relays the WebSocket pings it (`--ws-ping-*`), gets no answer, and closes the
+    client with 1011 instead of leaving it open forever."""
+    server = serve(APP, 2, "--ws-ping-interval", "0.5", "--ws-ping-timeout", "1")
+    async with Http(server.url) as http:
+        cookie, holder = await seed(http, "hung")
+        pid = {w["id"]: w["pid"] for w in (await server.status(http))["workers"]}[holder]
+    ws = await relayed_websocket(server, cookie)
+    try:
+        await ws.send("inc")
+        assert json.loads(await ws.recv())["worker"] == holder
+        await asyncio.sleep(3)  # several pings, answered: the relay stays
+        await ws.send("inc")
+        assert json.loads(await ws.recv()) == {"count": 2, "worker": holder}
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with pytest.raises(ConnectionClosed):
+            async with asyncio.timeout(15):
+                await ws.recv()
+        closed = ws.protocol.close_rcvd
+        assert closed is not None, "the client's WebSocket was dropped, not closed"
+        assert (closed.code, closed.reason) == (1011, "the session's worker stopped answering")
+        assert time.monotonic() - stopped_at < 10
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await ws.close()
+
+
 async def test_a_prepare_with_100_open_websockets_answers_prepared_at_once(
     serve: Serve, tmp_path: Path
 ) -> None:

@@ -73,6 +73,12 @@ GONE_CLOSE_CODE_BASE = 4000
 with 4000 + the status (4410 for `session_gone`)."""
 HOLDER_LOST = (1011, "the session's worker closed the connection")
 """The close the client gets when the holder's connection breaks without a close frame."""
+HOLDER_SILENT = (1011, "the session's worker stopped answering")
+"""The close the client gets when the holder answers no ping within the ping timeout."""
+PING_INTERVAL_S = 20.0
+PING_TIMEOUT_S = 20.0
+"""uvicorn's defaults for `--ws-ping-interval` and `--ws-ping-timeout`, which the relay
+applies to the holder's side as uvicorn applies them to the client's."""
 STOPPING = (1001, "the worker is stopping")
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -185,6 +191,12 @@ class _Holder(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.drain_waiter: asyncio.Future[None] | None = None
         self.lost_waiter: asyncio.Future[None] | None = None
+        self.silent = False
+        """The holder answered no ping in time (so the relay dropped it)."""
+        self._ping_interval: float | None = None
+        self._ping_timeout: float | None = None
+        self._ping: bytes | None = None
+        self._ping_timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
 
@@ -212,6 +224,9 @@ class _Holder(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._ping_timer is not None:
+            self._ping_timer.cancel()
+            self._ping_timer = None
         self._end(None)
         for waiter in (self.waiter, self.drain_waiter, self.lost_waiter):
             if waiter is not None and not waiter.done():
@@ -265,6 +280,9 @@ class _Holder(asyncio.Protocol):
                 rcvd = codec.close_rcvd
                 assert rcvd is not None
                 self._end((int(rcvd.code), rcvd.reason))
+            elif opcode is Opcode.PONG and self._ping is not None and frame.data == self._ping:
+                self._ping = None
+                self._arm(self._ping_interval, self._send_ping)
         self._flush()
         if codec.parser_exc is not None:
             self._end(None)  # the codec failed the connection (its close frame is written)
@@ -303,6 +321,42 @@ class _Holder(asyncio.Protocol):
                 self.transport.write(chunk)
             elif not self.transport.is_closing():
                 self.transport.close()  # the codec's end of stream
+
+    # Keepalive: a holder that hangs (its host stopped, or cut off without a reset) would
+    # otherwise hold the client's WebSocket open forever.
+
+    def keep_alive(self, interval: float | None, timeout: float | None) -> None:
+        """Ping the holder every `interval` s and drop it if a ping goes unanswered for
+        `timeout` s (None: never), as uvicorn's `--ws-ping-*` do for a client."""
+        self._ping_interval, self._ping_timeout = interval, timeout
+        self._arm(interval, self._send_ping)
+
+    def _arm(self, delay: float | None, callback: Any) -> None:
+        if self._ping_timer is not None:
+            self._ping_timer.cancel()
+            self._ping_timer = None
+        if delay is not None and not self.lost:
+            self._ping_timer = self.loop.call_later(delay, callback)
+
+    def _send_ping(self) -> None:
+        self._ping_timer = None
+        if self.lost or self.codec.state is not State.OPEN:
+            return
+        self._ping = os.urandom(4)
+        self.codec.send_ping(self._ping)
+        self._flush()
+        self._arm(self._ping_timeout, self._unanswered)
+
+    def _unanswered(self) -> None:
+        self._ping_timer = None
+        if self.lost:
+            return
+        if self.reading_paused:  # its pong waits behind what the client has not read
+            self._arm(self._ping_timeout, self._unanswered)
+            return
+        log.warning("websocket_holder_silent", after_s=self._ping_timeout)
+        self.silent = True
+        self.transport.abort()
 
     def _wake(self) -> None:
         waiter = self.waiter
@@ -455,7 +509,10 @@ class _Relay:
                 self.client_gone = True
         if self.client_gone:
             return
-        code, reason = holder.close if holder.close is not None else HOLDER_LOST
+        if holder.close is not None:
+            code, reason = holder.close
+        else:
+            code, reason = HOLDER_SILENT if holder.silent else HOLDER_LOST
         self.client_gone = True
         with contextlib.suppress(OSError):
             await self.send({"type": "websocket.close", "code": close_code(code),
@@ -482,11 +539,16 @@ class Relays:
         *,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         close_timeout: float = CLOSE_TIMEOUT_S,
+        ping_interval: float | None = PING_INTERVAL_S,
+        ping_timeout: float | None = PING_TIMEOUT_S,
         signer: Signer | None = None,
     ) -> None:
-        """`signer` signs handshakes to `tcp://` addresses (as the forwarder's does)."""
+        """`signer` signs handshakes to `tcp://` addresses (as the forwarder's does);
+        `ping_*`: the holder's keepalive (`_Holder.keep_alive`)."""
         self.connect_timeout = connect_timeout
         self.close_timeout = close_timeout
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
         self.signer = signer
         self.opened = 0
         """Handshakes the holder answered (accepted or denied)."""
@@ -565,6 +627,7 @@ class Relays:
             except OSError:
                 return  # the client is gone
             relay = _Relay(holder, receive, send, self.close_timeout)
+            holder.keep_alive(self.ping_interval, self.ping_timeout)
             self._open.add(relay)
             try:
                 await relay.run(first)

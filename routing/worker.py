@@ -23,7 +23,7 @@ from tether.routing.hopsign import HopSigner, HopVerifier
 from tether.routing.kinds import SessionKind
 from tether.routing.lifetimes import Lifetimes
 from tether.routing.private import PrivateServer
-from tether.routing.relay import Relays
+from tether.routing.relay import PING_INTERVAL_S, PING_TIMEOUT_S, Relays
 from tether.routing.router import Admission, Router
 from tether.routing.tables import Tables
 from tether.routing.tracing import hop_traces
@@ -78,10 +78,13 @@ class RoutingWorker:
         drain_s: int | None = PRIVATE_DRAIN_S,
         hops: HopListener | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ws_ping: tuple[float | None, float | None] = (PING_INTERVAL_S, PING_TIMEOUT_S),
     ) -> None:
         """`drain_s`: how long a stopping worker lets forwarded requests run (None: as
         long as they take), as `--timeout-graceful-shutdown` does for its own. `hops`:
-        on a cluster, where this worker takes requests from other hosts, and their secret."""
+        on a cluster, where this worker takes requests from other hosts, and their secret.
+        `ws_ping`: how often a relayed WebSocket's holder is pinged, and how long it may
+        take to answer (`--ws-ping-interval`, `--ws-ping-timeout`)."""
         self.id = worker or new_worker_id()
         self.runtime_dir = runtime_dir
         self.tables = Tables([self.id])
@@ -105,7 +108,9 @@ class RoutingWorker:
             self.claims = WorkerClaims(store, self.id, Lifetimes(window, holder), clock)
             signer = None if hops is None else HopSigner(hops.secret)
             self.forwarder = Forwarder(signer=signer)
-            self.relays = Relays(signer=signer)
+            self.relays = Relays(
+                signer=signer, ping_interval=ws_ping[0], ping_timeout=ws_ping[1]
+            )
         self.router = Router(
             app,
             worker=self.id,

@@ -39,7 +39,7 @@ def test_every_flag_is_a_serve_option() -> None:
      "--ssl-version", "--ssl-cert-reqs", "--ssl-ca-certs", "--ssl-ciphers", "--log-level",
      "--access-log", "--no-access-log", "--factory", "--app-dir", "--env-file", "--lifespan",
      "--h11-max-incomplete-event-size", "--header", "--server-header", "--no-server-header",
-     "--date-header", "--no-date-header"],
+     "--date-header", "--no-date-header", "--ws-ping-interval", "--ws-ping-timeout"],
 )
 def test_uvicorns_flags_are_accepted(flag: str) -> None:
     option = next(a for a in _actions() if flag in a.option_strings)
@@ -55,13 +55,15 @@ def _actions() -> list[argparse.Action]:
 def test_flags_become_options_with_uvicorns_meaning() -> None:
     options = options_from("main:app", parsed(
         "--root-path", "/api", "--no-proxy-headers", "--header", "x-a: 1", "--header", "x-b:2",
-        "--timeout-graceful-shutdown", "7", "--no-access-log",
+        "--timeout-graceful-shutdown", "7", "--no-access-log", "--ws-ping-interval", "2.5",
+        "--ws-ping-timeout", "4",
     ))
     config = options.uvicorn_config()
     assert config["root_path"] == "/api"
     assert config["proxy_headers"] is False
     assert config["headers"] == [["x-a", "1"], ["x-b", "2"]]
     assert config["timeout_graceful_shutdown"] == 7
+    assert (config["ws_ping_interval"], config["ws_ping_timeout"]) == (2.5, 4.0)
     assert options.access_log is False
 
 
@@ -127,7 +129,9 @@ def test_the_graceful_shutdown_default_is_30_s() -> None:
      (ServeOptions("a:b", ssl_certfile="c.pem"), "--ssl-keyfile"),
      (ServeOptions("a:b", app_dir="/no/such/dir"), "--app-dir"),
      (ServeOptions("a:b", log_level="loud"), "--log-level"),
-     (ServeOptions("a:b", metrics_port=70000), "--metrics-port")],
+     (ServeOptions("a:b", metrics_port=70000), "--metrics-port"),
+     (ServeOptions("a:b", ws_ping_interval=0), "--ws-ping-interval"),
+     (ServeOptions("a:b", ws_ping_timeout=-1), "--ws-ping-timeout")],
 )
 def test_problems_name_the_flag(options: ServeOptions, named: str) -> None:
     problem = options.problem()
