@@ -74,8 +74,9 @@ class ServeOptions:
     backlog: int = 2048
     http: Literal["auto", "h11", "httptools"] = "httptools"
     ws: Literal["auto", "none", "websockets", "wsproto"] = "auto"
-    ws_ping_interval: float = 20.0
-    ws_ping_timeout: float = 20.0
+    ws_ping_interval: float | None = 20.0
+    ws_ping_timeout: float | None = 20.0
+    """None (from `tether.run`, as `uvicorn.run` takes it): no pings, or no timeout."""
     loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     h11_max_incomplete_event_size: int | None = None
     headers: list[tuple[str, str]] = field(default_factory=list)
@@ -151,7 +152,7 @@ class ServeOptions:
                 return f"{flag} must not be negative"
         for seconds, flag in ((self.ws_ping_interval, "--ws-ping-interval"),
                               (self.ws_ping_timeout, "--ws-ping-timeout")):
-            if not seconds > 0:
+            if seconds is not None and not seconds > 0:
                 return f"{flag} must be a positive number of seconds"
         return None
 

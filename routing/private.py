@@ -6,9 +6,11 @@ ourselves (mode 0600). It leaves the process alone: no signal handlers (we never
 a request logs it), and no `server` or `date` headers (the receiving worker adds its own).
 
 Relayed WebSockets (`relay.py`) arrive here too, on uvicorn's websockets-sansio protocol
-without compression or keep-alive pings (the hop is a local socket), with no size limit
-of its own (the receiving worker's server applied the client's), and without its
-"[accepted]" lines, for the same reason as the access log.
+without compression, with no size limit of its own (the receiving worker's server
+applied the client's), and without its "[accepted]" lines, for the same reason as the
+access log. The relaying worker pings this side (`--ws-ping-*`); this side pings it back
+only on a TCP hop listener (another host may be cut off without a reset; a worker of
+this host that dies closes its Unix socket).
 
 `PrivateServer.tcp` serves the same way on a TCP port instead: the hop listener other
 hosts' workers reach (SPEC 12). There every request and every WebSocket handshake must
@@ -55,12 +57,16 @@ class PrivateServer:
     made by `tcp`, on a TCP port for signed requests from other hosts)."""
 
     def __init__(
-        self, app: ASGIApp, path: str, *, timeout_graceful_shutdown: int | None = None
+        self, app: ASGIApp, path: str, *, timeout_graceful_shutdown: int | None = None,
+        ws_ping: tuple[float | None, float | None] = (None, None),
     ) -> None:
         """`timeout_graceful_shutdown`: how long `stop` lets in-flight requests run before
-        cancelling them (None: as long as they take, like uvicorn's default)."""
+        cancelling them (None: as long as they take, like uvicorn's default). `ws_ping`:
+        uvicorn's `ws_ping_interval` and `ws_ping_timeout` for relayed WebSockets (None:
+        no pings)."""
         self.app = app
         self.path = path
+        self.ws_ping = ws_ping
         """The Unix socket's path; empty on a TCP listener."""
         self.host = ""
         self.port = 0
@@ -80,12 +86,13 @@ class PrivateServer:
         worker: WorkerId,
         *,
         timeout_graceful_shutdown: int | None = None,
+        ws_ping: tuple[float | None, float | None] = (None, None),
     ) -> PrivateServer:
         """A hop listener on TCP `host`:`port` (0: any free port) for worker `worker`:
         it serves `app` only the requests `verifier` finds signed for `worker`."""
         server = cls(
             _HopGuard(app, verifier, worker), "",
-            timeout_graceful_shutdown=timeout_graceful_shutdown,
+            timeout_graceful_shutdown=timeout_graceful_shutdown, ws_ping=ws_ping,
         )
         server.host, server.port = host, port
         return server
@@ -112,7 +119,8 @@ class PrivateServer:
                 http=self._protocol_class(),
                 ws=_PrivateWebSocket,
                 ws_max_size=WS_MAX_SIZE,
-                ws_ping_interval=None,
+                ws_ping_interval=self.ws_ping[0],
+                ws_ping_timeout=self.ws_ping[1],
                 ws_per_message_deflate=False,
                 # Set, not detected: uvicorn takes a bound method (a router's entry) for ASGI2.
                 interface="asgi3",

@@ -386,6 +386,8 @@ class _Holder(asyncio.Protocol):
         if self.reading_paused and self.buffered <= READ_LIMIT // 2 and not self.lost:
             self.reading_paused = False
             self.transport.resume_reading()
+            if self._ping is not None:  # its pong may still be far behind: a whole timeout
+                self._arm(self._ping_timeout, self._unanswered)
         return message
 
     async def send(self, message: Message) -> None:

@@ -138,7 +138,7 @@ class RoutingWorker:
         if runtime_dir is not None and hops is not None:
             self.hop_server = PrivateServer.tcp(
                 self.router.serve_forwarded, hops.host, 0, HopVerifier(hops.secret), self.id,
-                timeout_graceful_shutdown=drain_s,
+                timeout_graceful_shutdown=drain_s, ws_ping=ws_ping,
             )
 
     def socket_path(self, worker: WorkerId) -> str:

@@ -118,6 +118,13 @@ def test_web_concurrency_is_the_default_worker_count(monkeypatch: pytest.MonkeyP
     assert ServeOptions("main:app").worker_count == 1
 
 
+def test_websocket_pings_turn_off_with_none_as_under_uvicorn_run() -> None:
+    options = ServeOptions("main:app", ws_ping_interval=None, ws_ping_timeout=None)
+    assert options.problem() is None
+    config = options.uvicorn_config()
+    assert (config["ws_ping_interval"], config["ws_ping_timeout"]) == (None, None)
+
+
 def test_the_graceful_shutdown_default_is_30_s() -> None:
     assert ServeOptions("main:app").timeout_graceful_shutdown == 30
 

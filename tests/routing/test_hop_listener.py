@@ -561,3 +561,38 @@ async def test_a_relay_signing_with_another_secret_gets_the_listeners_401(
         "code": "hop_unauthorized", "detail": "bad signature",
     }
     assert holder.calls == 0
+
+
+async def test_a_websocket_on_the_hop_listener_whose_relay_answers_no_ping_is_closed_1011() -> None:
+    """A relaying host cut off without a reset answers no ping: the holder's listener
+    closes the WebSocket (1011) and its app learns the client left, instead of holding
+    it open forever."""
+    holder = Holder()
+    private = PrivateServer.tcp(
+        holder, "127.0.0.1", 0, HopVerifier(SECRET), WORKER, timeout_graceful_shutdown=2,
+        ws_ping=(0.2, 0.5),
+    )
+    await private.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", private.port)
+    try:
+        hop = signed_hop_value(signature("/ws"), None)
+        writer.write(
+            b"GET /ws HTTP/1.1\r\nhost: holder\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n"
+            + HOP_HEADER + b": " + hop + b"\r\n\r\n"
+        )
+        async with asyncio.timeout(BOUND):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 101"), head
+        # Read (and never answer) until the listener gives up on this connection.
+        received = b""
+        async with asyncio.timeout(BOUND):
+            while chunk := await reader.read(65536):
+                received += chunk
+    finally:
+        writer.close()
+        await private.stop()
+    close = b"\x88" + bytes([2 + len(b"keepalive ping timeout")]) + (1011).to_bytes(2, "big")
+    assert close in received, received
+    assert b"\x89" in received  # (it pinged first)
+    assert holder.calls == 1
