@@ -8,7 +8,8 @@ record moves only through these calls::
     hold ─▶ held ─claim(a+1)─▶ claimed ─done─▶ done (still claimed: a repeat is refused)
              ▲                    │
              └─────hand_back──────┤  (dropped instead if a retire covers a+1)
-                                  └─worker_left─▶ lost (listed in `lost_episodes`)
+                                  └─worker_left─▶ lost (listed in `lost_episodes`
+                                                   until a retire covers its attempt)
 
     held ─carry(scope)─▶ written as a+1 by one live worker at a commit; still held
     held, done ─retire(a+1 or later)─▶ forgotten (a claimed one when it is handed back)
@@ -214,8 +215,11 @@ class HeldRecords:
         """Mark `attempt` (and older) of the episode retired, and drop the record if the
         attempt that would claim it is covered, unless a running request holds it (that
         one is dropped when handed back). Returns how many held (unclaimed) records were
-        dropped: 0 or 1. Idempotent."""
+        dropped: 0 or 1. A lost record the retire covers is no longer listed (the
+        controller has given that attempt up). Idempotent."""
         self._retired[episode_id] = max(attempt, self._retired.get(episode_id, attempt))
+        self._lost = [lost for lost in self._lost
+                      if lost["episode_id"] != episode_id or lost["attempt"] > attempt]
         held = self._records.get(episode_id)
         if held is None or not self._retires(held):
             return 0

@@ -198,6 +198,16 @@ def test_a_lost_record_is_listed_once_with_the_attempt_it_expected() -> None:
     assert records.claim("e", 2, "w2") is None
 
 
+def test_a_lost_record_is_listed_until_a_retire_covers_its_attempt() -> None:
+    records = records_in("claimed")
+    records.worker_left("w1")
+    records.retire("e", 1)  # older than the attempt that was lost
+    records.retire("other", 5)
+    assert records.lost_episodes() == [LOST]
+    records.retire("e", 2)
+    assert records.lost_episodes() == []
+
+
 def test_carrying_leaves_the_record_held_so_a_retried_commit_carries_it_again() -> None:
     records = records_in("held")
     assert records.carry(None) == records.carry(None) == [RECORD]
