@@ -229,6 +229,13 @@ class Server:
         """SIGKILL the main process only."""
         self.proc.send_signal(signal.SIGKILL)
 
+    async def crash(self) -> None:
+        """SIGKILL the whole process group (the main process and its workers), as a crash
+        of the machine or the service would; return once every process of it is gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        await self.group_gone()
+
     async def exit_code(self, within: float = STOP_TIMEOUT_S) -> int:
         """The main process's exit code, once it exits."""
         await eventually(

@@ -9,7 +9,6 @@ died before it could.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -146,13 +145,6 @@ async def committer_died(server: Server) -> None:
     assert await server.exit_code(within=10) == FAULT_EXIT
 
 
-async def crash(server: Server) -> None:
-    """SIGKILL the server's whole process group (its main process and workers)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.pid, signal.SIGKILL)
-    await server.group_gone()
-
-
 def exits(server: Server, pid: int) -> list[Any]:
     return [r.get("code") for r in server.logs()
             if r.get("event") == "worker_exited" and r.get("pid") == pid]
@@ -209,7 +201,7 @@ async def test_a_commit_killed_after_its_segments_leaves_nothing_restorable_unti
         assert (await ok(faulty, http, "prepare", checkpoint_id="c1"))["state"] == "prepared"
         await commit_that_kills_the_worker(faulty, http, "c1")
         await committer_died(faulty)
-    await crash(faulty)
+    await faulty.crash()
 
     # Only the dead commit's temp dir is on disk: nothing published, nothing latest.
     assert not (root / "c1" / NAME).exists()
@@ -223,7 +215,7 @@ async def test_a_commit_killed_after_its_segments_leaves_nothing_restorable_unti
         await checkpoint(root, after, http, "c2")
     assert temp_dirs(root, "c1") == []
     assert resolve_latest(root, NAME) == "c2"
-    await crash(after)
+    await after.crash()
 
 
 async def test_a_single_worker_killed_while_prepared_is_replaced_and_the_phase_survives(
@@ -251,7 +243,7 @@ async def test_a_single_worker_killed_while_prepared_is_replaced_and_the_phase_s
         # The dead worker's session is lost with it.
         reply = await session.count()
         assert (reply.status, reply.code) == (404, "session_lost"), reply
-    await crash(server)
+    await server.crash()
 
 
 async def test_only_checkpoints_whose_checkpoint_json_was_written_are_restorable(
@@ -270,7 +262,7 @@ async def test_only_checkpoints_whose_checkpoint_json_was_written_are_restorable
         assert not (root / "c3" / CHECKPOINT_NAME).exists()
         assert temp_dirs(root, "c3") != []  # its temporary CHECKPOINT.json
         await ok(good, http, "resume", checkpoint_id="c3")
-    await crash(good)
+    await good.crash()
 
     # c2: the committer dies after publishing its participant directory, before answering.
     faulty = serve(COUNTER_APP, 1, *checkpoint_args(root), env={FAULT_ENV: "after_manifest"})
@@ -279,7 +271,7 @@ async def test_only_checkpoints_whose_checkpoint_json_was_written_are_restorable
         assert (await ok(faulty, http, "prepare", checkpoint_id="c2"))["state"] == "prepared"
         await commit_that_kills_the_worker(faulty, http, "c2")
         await committer_died(faulty)
-    await crash(faulty)
+    await faulty.crash()
     assert (root / "c2" / NAME / "MANIFEST.json").exists()
     assert not (root / "c2" / CHECKPOINT_NAME).exists()
 
@@ -299,7 +291,7 @@ async def test_only_checkpoints_whose_checkpoint_json_was_written_are_restorable
         assert answer["installed_sessions"] == 3
         await ok(after, http, "resume", checkpoint_id="c1")
         assert await counts_of(moved(sessions, http)) == [(200, 1), (200, 2), (200, 3)]
-    await crash(after)
+    await after.crash()
 
     # The controller, restarted, writes c3's CHECKPOINT.json: now it is complete and latest.
     assert controller_writes_checkpoint_json(root, good, "c3") == 0
@@ -341,7 +333,7 @@ async def test_a_replaced_worker_does_not_silently_restore_the_checkpoint_again(
     async with Http(first.url) as http:
         [session] = await seeded(http, "again", [1])
         await checkpoint(root, first, http, "c1")
-    await crash(first)
+    await first.crash()
 
     server = serve(COUNTER_APP, 1, *checkpoint_args(root, "--restore", "latest"))
     async with Http(server.url) as http:
@@ -355,7 +347,7 @@ async def test_a_replaced_worker_does_not_silently_restore_the_checkpoint_again(
         # episode record be continued a second time), on a server that was restored.
         reply = await session.count()
         assert (reply.status, reply.code) == (404, "session_lost"), reply
-    await crash(server)
+    await server.crash()
 
 
 # (c) --restore at start-up ------------------------------------------------------------------

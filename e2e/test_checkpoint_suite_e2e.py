@@ -46,7 +46,6 @@ from e2e.test_checkpoint_e2e import (
     control,
     controller_writes_checkpoint_json,
     counts_of,
-    crash,
     moved,
     ok,
     publish,
@@ -151,7 +150,7 @@ async def commit_killed_by_the_fault_hook(
         reply = None
     assert reply is None or reply.status != 200, reply
     assert await server.exit_code(within=20) == FAULT_EXIT
-    await crash(server)
+    await server.crash()
 
 
 async def ctl(root: Path, server: Server, *command: str) -> Any:
@@ -183,7 +182,7 @@ async def test_counter_sessions_restore_their_checkpointed_counts_after_a_sigkil
         await bounded(s.increment() for s in sessions)
         assert await counts_of(sessions) == [(200, n + 1) for n in checkpointed]
         [late] = await seeded(http, "late", [1])
-    await crash(first)
+    await first.crash()
 
     second = serve(COUNTER_APP, workers, *checkpoint_args(root, "--restore", "latest"))
     assert [r["checkpoint_id"] for r in second.logs() if r.get("event") == "restored"] == ["c1"]
@@ -249,7 +248,7 @@ async def test_episodes_park_at_a_checkpoint_and_continue_exactly_once_after_a_r
     assert [(r.status, r.json["steps_done"], r.json["resumed_from"]) for r in finished] == [
         (200, STEPS, 0)
     ] * len(ids), finished[:3]
-    await crash(first)
+    await first.crash()
 
     second = serve(EPISODES_APP, workers, *checkpoint_args(root, "--restore", "latest"))
     async with Http(second.url) as http:
@@ -671,7 +670,7 @@ async def test_restore_is_all_or_nothing_and_only_on_a_fresh_server(
         for dry_run in (False, True):
             reply = await control(first, http, "restore", checkpoint_id="good", dry_run=dry_run)
             assert is_error(reply, 409, "not_fresh"), reply
-    await crash(first)
+    await first.crash()
     assert len(manifest["segments"]) == workers
     assert all(s["records"] for s in manifest["segments"])
 
@@ -736,7 +735,7 @@ async def test_only_a_checkpoint_that_outlived_every_crash_window_is_restorable(
         assert controller_writes_checkpoint_json(root, first, "c4", fault) == FAULT_EXIT
         await ok(first, http, "resume", checkpoint_id="c4")
         await bounded(s.increment() for s in sessions)
-    await crash(first)
+    await first.crash()
     assert (root / "c4" / NAME).exists() and not (root / "c4" / CHECKPOINT_NAME).exists()
 
     # c2: killed after the segments, before the manifest.
@@ -861,7 +860,7 @@ async def test_a_32_mib_record_and_the_controller_state_round_trip_through_the_n
             assert summary["checkpoint_id"] == checkpoint_id
             await seed(f"later-{index}", index + 1)  # in the next checkpoints only
     listed = await ctl(root, first, "list")
-    await crash(first)
+    await first.crash()
 
     assert [(c["id"], c["complete"]) for c in listed["checkpoints"]] == [
         (checkpoint_id, True) for checkpoint_id in reversed(ids)

@@ -24,7 +24,6 @@ from e2e.harness import COUNTER_APP, Http, Reply, Server, bounded, eventually
 from e2e.test_rescale_e2e import (
     ckpt_args,
     control,
-    crash,
     live_workers,
     ok,
     read_and_count_on,
@@ -104,7 +103,7 @@ async def parked_and_restored(
             records = summary["servers"][0]["records"]
             assert records == {"sessions": 0, "episodes": EPISODES}, summary
         finally:
-            await crash(first)
+            await first.crash()
             outcomes = await asyncio.gather(*runs, return_exceptions=True)
     finished = [o for o in outcomes if not isinstance(o, aiohttp.ClientError)]
     assert not finished, f"runs of attempt 1 ended before the crash: {finished[:3]}"
@@ -174,7 +173,7 @@ async def test_an_unclaimed_episode_is_relabelled_in_the_next_checkpoint_or_drop
     # A commit whose scope keeps only `kept`: `dropped` is forgotten.
     summary = await take_checkpoint(server, root, name=EPISODES_NAME, scope=[kept])
     assert summary["servers"][0]["records"] == {"sessions": 0, "episodes": 1}, summary
-    await crash(server)
+    await server.crash()
 
     last = serve(EPISODES_APP, 2, *restore_args(root, name=EPISODES_NAME))
     async with Http(last.url) as http:
@@ -310,7 +309,7 @@ async def test_a_restore_without_enough_workers_by_its_deadline_is_workers_missi
     async with Http(first.url) as http:
         counted = await seeded(http, "deadline", 20)
     cid = (await take_checkpoint(first, root))["checkpoint_id"]
-    await crash(first)
+    await first.crash()
 
     # A race: the killed worker's replacement must still be starting when the restore's
     # deadline passes. One that registered in time lets the restore succeed; that server
@@ -324,7 +323,7 @@ async def test_a_restore_without_enough_workers_by_its_deadline_is_workers_missi
                 reply = await control(server, http, "restore", checkpoint_id=cid, deadline_s=0.3)
                 if reply.status != 200:
                     break
-        await crash(server)
+        await server.crash()
         reply = missing = None
     assert reply is not None, f"no replacement was slow enough in {RACE_ATTEMPTS} tries"
     assert missing is not None

@@ -141,13 +141,6 @@ def on_the_table(*clients: Http) -> None:
 # Processes ----------------------------------------------------------------------------------
 
 
-async def crash(server: Server) -> None:
-    """SIGKILL the whole process group, as a crash of the machine's service would."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.pid, signal.SIGKILL)
-    await server.group_gone()
-
-
 def gates_for(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     gates = tmp_path / "gates"
     gates.mkdir(exist_ok=True)
@@ -392,7 +385,7 @@ async def test_a_worker_killed_while_prepared_blocks_the_checkpoint_until_resume
         survivors = [r for r in await stop(runs) if isinstance(r, Reply)]
         on_the_table(http)
         assert not [r for r in survivors if r.status >= 500], survivors
-    await crash(server)
+    await server.crash()
 
     # c1 (not c3, which lost the victim's sessions) holds every session and episode.
     fresh = serve(FAULTS_APP, workers, *args(root), env=gates_for(tmp_path)[1])
@@ -454,7 +447,7 @@ async def test_a_commit_whose_relaying_worker_dies_after_its_segment_finishes_an
         assert await ok(server, http, "resume", checkpoint_id="c2") == {"phase": "open"}
         assert (await CounterSession(http, "after-commit").seed()).status == 200
         on_the_table(http)
-    await crash(server)
+    await server.crash()
 
     restored = serve(FAULTS_APP, workers, *args(root, "--restore", "latest"), env=env)
     async with Http(restored.url, limit=200) as http:
@@ -508,7 +501,7 @@ async def test_a_commit_whose_relaying_worker_dies_mid_write_fails_and_the_serve
         assert set(gone.values()) <= {(410, "session_gone"), (404, "session_lost")}, gone
         await checkpoint(root, server, http, "c3")
         on_the_table(http)
-    await crash(server)
+    await server.crash()
     assert resolve_latest(root, NAME) == "c3"
 
     fresh = serve(FAULTS_APP, workers, *args(root), env=env)
@@ -534,7 +527,7 @@ async def checkpointed_server(
     async with Http(first.url, limit=200) as http, Http(first.url) as runs_http:
         await sessions.everywhere(first, http, "rs")
         manifest, runs = await checkpoint_with_parked_episodes(root, first, runs_http, "c1", "ep")
-        await crash(first)
+        await first.crash()
         await stop(runs)
     return root, sessions, sessions.snapshot(), parked_steps(root, manifest)
 
@@ -652,7 +645,7 @@ async def test_a_group_killed_mid_commit_and_then_mid_restore_restores_the_last_
         (gates / "slow-export").write_text("")  # every worker
         commit = asyncio.ensure_future(control(first, runs_http, "commit", checkpoint_id="c2"))
         await eventually(lambda: (gates / "exporting").exists(), 20, "the commit exports")
-        await crash(first)
+        await first.crash()
         outcome = (await asyncio.gather(commit, return_exceptions=True))[0]
         assert isinstance(outcome, aiohttp.ClientError | asyncio.TimeoutError), outcome
         await stop(runs)
@@ -666,7 +659,7 @@ async def test_a_group_killed_mid_commit_and_then_mid_restore_restores_the_last_
         (gates / "slow-install").write_text("")  # every worker
         restore = asyncio.ensure_future(control(second, http, "restore", checkpoint_id="c1"))
         await eventually(lambda: any(gates.glob("installing-*")), 20, "the restore installs")
-        await crash(second)
+        await second.crash()
         outcome = (await asyncio.gather(restore, return_exceptions=True))[0]
         assert isinstance(outcome, aiohttp.ClientError | asyncio.TimeoutError), outcome
     (gates / "slow-install").unlink()

@@ -9,7 +9,6 @@ the whole process group as a crash would, and starts `tether serve --workers M
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import signal
@@ -81,13 +80,6 @@ async def take_checkpoint(
     async with Controller([Target(name, server.url, server.token)], root) as controller:
         summary: dict[str, Any] = await controller.checkpoint(scope=scope)
     return summary
-
-
-async def crash(server: Server) -> None:
-    """SIGKILL the server's whole process group, as a crash would."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.pid, signal.SIGKILL)
-    await server.group_gone()
 
 
 def free_port() -> int:
@@ -203,7 +195,7 @@ async def test_every_old_cookie_reads_its_count_and_counts_on_after_a_rescale(
     assert {c.owner for c in counted} <= old_ids
     summary = await take_checkpoint(first, root)
     assert summary["servers"][0]["records"] == {"sessions": SESSIONS, "episodes": 0}
-    await crash(first)
+    await first.crash()
 
     second = serve(COUNTER_APP, after, *restore_args(root))
     old_owner = {c.session.id: c.owner for c in counted}
@@ -304,7 +296,7 @@ async def test_two_crashes_in_a_row_keep_every_session_and_the_owner_alias_chain
         counted = await seeded(http, "twice")
         [single] = [w["id"] for w in (await status(first, http))["workers"]]
     await take_checkpoint(first, root)
-    await crash(first)
+    await first.crash()
 
     # Restore onto 3; checkpoint again before any session was touched.
     middle = serve(COUNTER_APP, 3, *restore_args(root))
@@ -316,7 +308,7 @@ async def test_two_crashes_in_a_row_keep_every_session_and_the_owner_alias_chain
     assert sum(w["sessions"] for w in workers) == SESSIONS
     summary = await take_checkpoint(middle, root)
     assert summary["servers"][0]["records"] == {"sessions": SESSIONS, "episodes": 0}
-    await crash(middle)
+    await middle.crash()
 
     last = serve(COUNTER_APP, 2, *restore_args(root))
     async with Http(last.url, limit=CONCURRENCY) as http:
@@ -347,7 +339,7 @@ async def test_old_cookies_during_restore_latest_park_or_wait_never_meet_empty_s
     async with Http(first.url, limit=CONCURRENCY) as http:
         counted = await seeded(http, "early")
     await take_checkpoint(first, root)
-    await crash(first)
+    await first.crash()
 
     port = free_port()
     starting = asyncio.ensure_future(
@@ -413,7 +405,7 @@ async def test_a_worker_registering_after_a_restore_routes_old_cookies_from_its_
     async with Http(first.url, limit=CONCURRENCY) as http:
         counted = await seeded(http, "late")
     await take_checkpoint(first, root)
-    await crash(first)
+    await first.crash()
 
     server = serve(COUNTER_APP, 4, *restore_args(root))
     async with Http(server.url, limit=CONCURRENCY) as http:

@@ -48,7 +48,6 @@ from e2e.test_faults_e2e import (
     blocker_kinds,
     checkpoint,
     control,
-    crash,
     fresh_again,
     gates_for,
     ok,
@@ -144,7 +143,7 @@ async def restored_server(
     async with Http(first.url, limit=200) as http:
         await sessions.everywhere(first, http, "rst")
         await checkpoint(root, first, http, "c1")
-    await crash(first)
+    await first.crash()
     fresh = serve(FAULTS_APP, workers, *args(root), env=gates_for(tmp_path)[1])
     return fresh, root, sessions, sessions.snapshot()
 
@@ -212,7 +211,7 @@ async def test_status_does_not_say_open_while_a_restore_at_start_still_parks_the
     async with Http(first.url, limit=200) as http:
         await sessions.everywhere(first, http, "start")
         await checkpoint(root, first, http, "c1")
-    await crash(first)
+    await first.crash()
 
     (gates / "slow-install").write_text("")  # every worker
     # The URL and the token are known before the server says it serves: we pick them.
@@ -364,7 +363,7 @@ async def test_a_commit_whose_scope_drops_a_held_record_forgets_it(
             await prepared(first, http, "c1")
             await ok(first, http, "commit", checkpoint_id="c1")
             publish(root, first, "c1")
-            await crash(first)
+            await first.crash()
         finally:
             await stop(runs)
 
@@ -479,7 +478,7 @@ async def test_renew_of_a_published_checkpoint_this_server_never_saw_is_stale_ch
     first = serve(COUNTER_APP, workers, *args(root))
     async with Http(first.url) as http:
         await checkpoint(root, first, http, "c1")
-    await crash(first)
+    await first.crash()
     second = serve(COUNTER_APP, workers, *args(root))
     async with Http(second.url) as http:
         for route in ("renew", "prepare", "commit"):
