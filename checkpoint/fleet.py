@@ -165,7 +165,7 @@ class LocalFleet:
             for segment in checkpoint.segments:
                 mine = [e for e in segment.entries if e.kind == "session"]
                 if mine:
-                    installed += await self.participant.install(segment.path, mine)
+                    installed += len(await self.participant.install(segment.path, mine))
             return installed
 
         try:

@@ -618,14 +618,15 @@ class Participant:
         """Inherit the retire marks of the server (a worker that joins late)."""
         self.records.inherit(marks)
 
-    async def install(self, path: Path, entries: list[IndexEntry]) -> int:
-        """Install this worker's sessions from one segment; returns how many."""
+    async def install(self, path: Path, entries: list[IndexEntry]) -> dict[str, bool]:
+        """Install this worker's sessions from one segment; returns each one's ID and
+        whether the router counted it open when it was checkpointed."""
         assert self.provider is not None, "no session state registered"
         records = await asyncio.to_thread(_read_paused, path, entries)
         for record in records:  # the app's code: collection is not paused around it
             await self.provider.install(record["id"], record["state"])
         self.restored = True
-        return len(records)
+        return {record["id"]: record["open"] for record in records}
 
     def hold(self, episode_id: str, attempt: int, path: Path, entry: IndexEntry) -> None:
         """Hold a restored episode record by its location until attempt+1 claims it."""

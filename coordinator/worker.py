@@ -332,7 +332,7 @@ class TetherWorker:
         await self._apply_tables(body["tables"])
         placed = self.routing.tables.placed
         installed = 0
-        restored: list[tuple[SessionId, WorkerId | None]] = []
+        restored: list[tuple[SessionId, WorkerId | None, bool]] = []
         for path in body["segments"]:
             entries = await asyncio.to_thread(read_index, path)
             mine = [
@@ -340,8 +340,11 @@ class TetherWorker:
                 if e.kind == "session" and placed.get(SessionId(e.id)) == self.id
             ]
             if mine:
-                installed += await self.participant.install(Path(path), mine)
-                restored += [(SessionId(e.id), worker_id_or_none(e.owner)) for e in mine]
+                opened = await self.participant.install(Path(path), mine)
+                installed += len(opened)
+                restored += [
+                    (SessionId(e.id), worker_id_or_none(e.owner), opened[e.id]) for e in mine
+                ]
         claims, store = self.routing.claims, self._cluster_store
         if claims is not None and store is not None and restored:
             # Before admission opens: every host must find the restored sessions here.

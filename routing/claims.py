@@ -213,18 +213,19 @@ class WorkerClaims:
         return taken
 
     async def adopt(
-        self, restored: list[tuple[SessionId, WorkerId | None]], take_over: TakeOver
+        self, restored: list[tuple[SessionId, WorkerId | None, bool]], take_over: TakeOver
     ) -> dict[SessionId, WorkerId | None]:
         """Claim, before admission opens, sessions a restore placed on this worker (on a
-        cluster, so every host finds them), each with its holder in the checkpoint; they
-        are held as open sessions. Returns those another worker holds. They count as
-        this worker's before the store answers, so a restore given up (`release_all`)
-        releases whatever part of them a failed call wrote."""
+        cluster, so every host finds them), each with its holder in the checkpoint and
+        whether it was open then: an open one is held as open, any other keeps its claim
+        one close window from now, as after a request. Returns those another worker
+        holds. They count as this worker's before the store answers, so a restore given
+        up (`release_all`) releases whatever part of them a failed call wrote."""
         now = self.clock()
-        for session_id, _ in restored:
+        for session_id, _, was_open in restored:
             self._mine.add(session_id)
-            self.lifetimes.served(session_id, "start", True, now)
-        taken = await take_over(self.worker, restored)
+            self.lifetimes.served(session_id, "start" if was_open else "other", True, now)
+        taken = await take_over(self.worker, [(sid, owner) for sid, owner, _ in restored])
         for session_id in taken:
             self._mine.discard(session_id)
             self.lifetimes.forget(session_id)

@@ -198,3 +198,30 @@ def test_a_session_forgotten_and_served_again_expires_one_window_after_its_last_
     assert lifetimes.due(10.0, set()) == []  # that entry came up: queued again for 15
     assert lifetimes.queued() == 1
     assert lifetimes.due(15.0, set()) == [S]
+
+
+async def test_a_restored_session_keeps_the_lifetime_it_was_checkpointed_with(
+    short_tmp: object,
+) -> None:
+    """Adopted at a restore: one that was open stays held past any window; one that was
+    not ends one close window after the restore, unless a request comes."""
+    claims, clock = make(short_tmp)
+    opened, closed = SessionId("was-open"), SessionId("was-closed")
+    taken_over: list[object] = []
+
+    async def take_over(
+        worker: WorkerId, sessions: list[tuple[SessionId, WorkerId | None]]
+    ) -> dict[SessionId, WorkerId | None]:
+        taken_over.append((worker, sessions))
+        for session_id, _ in sessions:
+            await claims.store.claim(session_id, worker)
+        return {}  # nobody else holds them
+
+    assert await claims.adopt([(opened, None, True), (closed, ME, False)], take_over) == {}
+
+    assert taken_over == [(ME, [(opened, None), (closed, ME)])]
+    clock.now += 10.1
+    assert await claims.sweep() == [closed]
+    clock.now += 10_000
+    assert await claims.sweep() == []
+    assert claims.mine(opened) and await claims.store.claimant(opened) == ME
