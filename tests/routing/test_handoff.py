@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -308,11 +309,15 @@ async def test_a_move_the_holder_does_not_take_is_served_from_the_worker_that_re
 class Told:
     """A mover that records how its move ended."""
 
-    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
-        self.name, self.log = name, log
+    def __init__(
+        self, name: str, log: list[tuple[str, str]], then: Callable[[], None] | None = None
+    ) -> None:
+        self.name, self.log, self.then = name, log, then
 
     def moved(self) -> None:
         self.log.append((self.name, "moved"))
+        if self.then is not None:
+            self.then()
 
     def kept(self) -> None:
         self.log.append((self.name, "kept"))
@@ -345,15 +350,19 @@ class Holder:
         self.listener.close()
 
 
-async def moves(short_tmp: Path, count: int) -> tuple[Handoffs, Holder, list[Any], list[Any]]:
+async def moves(
+    short_tmp: Path, count: int, then: Callable[[], None] | None = None
+) -> tuple[Handoffs, Holder, list[Any], list[Any]]:
     """A sender with `count` moves sent to a `Holder`: the sender, the holder, the movers'
-    record, and the descriptors moved (pipes' read ends, closed by the test)."""
+    record, and the descriptors moved (pipes' read ends, closed by the test). `then`
+    runs when move 0 is told it moved."""
     holder = Holder(short_tmp / "h.handoff")
     sender = Handoffs(lambda worker: str(short_tmp / f"{worker}.handoff"), move_timeout=0.3)
     told: list[tuple[str, str]] = []
     pipes = [os.pipe() for _ in range(count)]
     for index, (read, _) in enumerate(pipes):
-        assert sender.send("h", read, b"GET / HTTP/1.1\r\n\r\n", Told(f"move {index}", told))
+        mover = Told(f"move {index}", told, then if index == 0 else None)
+        assert sender.send("h", read, b"GET / HTTP/1.1\r\n\r\n", mover)
     return sender, holder, told, pipes
 
 
@@ -389,16 +398,29 @@ async def test_a_holder_that_takes_one_move_and_closes_with_the_next_unread_give
 async def test_a_sender_closing_its_channel_gives_its_moves_back_and_no_answer_reaches_it_after(
     short_tmp: Path,
 ) -> None:
-    sender, holder, told, pipes = await moves(short_tmp, 1)
-    number, fds = holder.take()
+    """The holder answers move 1 while the sender is closing (from inside the close,
+    after it read move 0's answer): that answer must fail, so the holder does not take
+    a move the sender gives back."""
+    late: list[BaseException | None] = []
+
+    def answer_late() -> None:  # told during the close, after move 0's answer was read
+        try:
+            holder.answer(second, True)
+            late.append(None)
+        except OSError as error:
+            late.append(error)
+
+    sender, holder, told, pipes = await moves(short_tmp, 2, then=answer_late)
+    first, first_fds = holder.take()
+    second, second_fds = holder.take()
+    holder.answer(first, True)
 
     sender.close()
-    with pytest.raises(BrokenPipeError):  # the holder learns it may not take the move
-        holder.answer(number, True)
 
-    assert told == [("move 0", "kept")]
+    assert len(late) == 1 and isinstance(late[0], BrokenPipeError), late
+    assert told == [("move 0", "moved"), ("move 1", "kept")]
     holder.close()
-    close_all(pipes, *fds)
+    close_all(pipes, *first_fds, *second_fds)
 
 
 async def test_a_move_its_holder_does_not_answer_in_time_is_given_back(short_tmp: Path) -> None:
