@@ -7,6 +7,7 @@ memory, the requests in progress for each, and the one place a claim ends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import hashlib
@@ -17,9 +18,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+import structlog
+
+from tether.routing.dirwatch import DirectoryWatch
 from tether.routing.errors import TetherError
 from tether.routing.lifetimes import Lifetimes, Role
 from tether.routing.types import SessionId, WorkerId, worker_id_or_none
+
+log = structlog.get_logger("tether.claims")
 
 Clock = Callable[[], float]
 Reassert = Callable[[WorkerId, list[SessionId]], Awaitable[dict[SessionId, WorkerId]]]
@@ -51,6 +57,8 @@ class ClaimStore(Protocol):
         ...
 
 
+KNOWN_MAX = 1 << 16
+"""Claimants a watched store remembers at most (then it starts again from none)."""
 CLAIM_ATTEMPTS = 3
 """Links tried before a claim file that names no worker is reported, not looped on."""
 
@@ -66,15 +74,66 @@ class FileClaimStore:
     Every operation is one or two small system calls (~10 us), done inline on purpose:
     a thread hop would cost more than the call. The methods are coroutines only to share
     `ClaimStore`'s signature; none of them suspends.
+
+    Once `watch`ed, the claimants `claimant` reads are remembered, each until the loop
+    learns (inotify, dirwatch.py) that its file changed: a request routed to another
+    worker's session then reads nothing while the claim stands. What is remembered is at
+    most one turn of the loop old, no older than a claimant read just before a request
+    is sent on (the holder may release the claim before it serves that request either
+    way). Claiming and releasing always read the file.
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._prefix = os.path.join(directory, "")
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._watch: DirectoryWatch | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._known: dict[SessionId, tuple[str, WorkerId]] = {}
+        """Claimants read while watched: each session's file name and claimant."""
+        self._named: dict[str, SessionId] = {}
+        """The session each remembered file name is of."""
+
+    def _name(self, session_id: SessionId) -> str:
+        return hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
 
     def _path(self, session_id: SessionId) -> str:
-        return self._prefix + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
+        return self._prefix + self._name(session_id)
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Remember claimants from now on, while `loop` runs (`close` ends it); where
+        inotify is missing, nothing is remembered."""
+        if self._watch is not None:
+            return
+        watch = DirectoryWatch.of(self.directory)
+        if watch is None:
+            log.warning("claim_watch_unavailable", directory=self.directory)
+            return
+        self._watch, self._loop = watch, loop
+        loop.add_reader(watch.fd, self._changed)
+
+    def close(self) -> None:
+        """Stop watching; claimants are read every time again."""
+        watch, self._watch = self._watch, None
+        if watch is not None and self._loop is not None:
+            self._loop.remove_reader(watch.fd)
+            watch.close()
+        self._known.clear()
+        self._named.clear()
+
+    def _changed(self) -> None:
+        assert self._watch is not None
+        names = self._watch.changes()
+        if names is None:  # (the queue overflowed: any claim may have changed)
+            self._known.clear()
+            self._named.clear()
+            if self._watch.ended:
+                self.close()
+            return
+        for name in names:
+            session_id = self._named.pop(name, None)
+            if session_id is not None:
+                self._known.pop(session_id, None)
 
     async def claim(
         self, session_id: SessionId, worker: WorkerId, *, fresh: bool = False
@@ -101,7 +160,24 @@ class FileClaimStore:
         raise TetherError("session_conflict", f"the claim file of {session_id!r} names no worker")
 
     async def claimant(self, session_id: SessionId) -> WorkerId | None:
-        return self.read(session_id)
+        return self.claimant_now(session_id)
+
+    def claimant_now(self, session_id: SessionId) -> WorkerId | None:
+        """`claimant`, without a coroutine: remembered while watched (see the class)."""
+        known = self._known.get(session_id)
+        if known is not None:
+            return known[1]
+        if self._watch is None:
+            return self.read(session_id)
+        name = self._name(session_id)
+        owner = self.read(session_id)
+        if owner is not None:
+            if len(self._known) >= KNOWN_MAX:
+                self._known.clear()
+                self._named.clear()
+            self._known[session_id] = (name, owner)
+            self._named[name] = session_id
+        return owner
 
     def read(self, session_id: SessionId) -> WorkerId | None:
         # os.open/read/close: three system calls; buffered open() makes seven.
@@ -188,7 +264,7 @@ class WorkerClaims:
         if session_id in self._mine:
             return self.worker
         if isinstance(self.store, FileClaimStore):
-            return self.store.read(session_id)
+            return self.store.claimant_now(session_id)
         return LATER
 
     async def claim(self, session_id: SessionId, *, fresh: bool = False) -> WorkerId:

@@ -174,6 +174,8 @@ class RoutingWorker:
         if self.handoffs is not None:
             self.handoffs.start()
         if self.claims is not None:
+            if isinstance(self.claims.store, FileClaimStore):
+                self.claims.store.watch(asyncio.get_running_loop())
             self._sweeper = asyncio.create_task(self._sweep(), name="tether-claim-sweep")
 
     async def stop(self) -> None:
@@ -195,6 +197,8 @@ class RoutingWorker:
             await self.forwarder.close()
         if self.passthrough is not None:
             self.passthrough.close()
+        if self.claims is not None and isinstance(self.claims.store, FileClaimStore):
+            self.claims.store.close()
 
     def is_open(self, session_id: str) -> bool:
         """Whether the router counts the session as open (True without routing)."""

@@ -45,6 +45,7 @@ if the run's own checks fail (requests not forwarded as intended, a process left
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import contextlib
 import gc
@@ -564,6 +565,18 @@ def bench_lookups() -> dict[str, Any]:
 
             own_us = _per_call_us(lookup, mine, batch=10_000, batches=100)
             other_us = _per_call_us(lookup, theirs, batch=200, batches=100)
+            loop = asyncio.new_event_loop()
+            watched = FileClaimStore(directory)
+            watched.watch(loop)  # (as a worker's store is: claimants remembered)
+            try:
+                watched_claims = WorkerClaims(watched, me, Lifetimes(300.0))
+                remembered_us = _per_call_us(
+                    lambda sid: _done(watched_claims.lookup(sid)), theirs,
+                    batch=10_000, batches=100,
+                )
+            finally:
+                watched.close()
+                loop.close()
         finally:
             gc.enable()
         syscalls = _syscalls_per_lookup(directory, me, mine, theirs)
@@ -572,6 +585,7 @@ def bench_lookups() -> dict[str, Any]:
     return {
         "own_session_us": round(own_us, 4),
         "other_workers_session_us": round(other_us, 2),
+        "other_workers_session_remembered_us": round(remembered_us, 4),
         "calls": {"own_session": 10_000 * 100, "other_workers_session": 200 * 100},
         "store_calls_per_lookup": {
             "own_session": own_store_calls / checks,
@@ -582,7 +596,7 @@ def bench_lookups() -> dict[str, Any]:
 
 
 _LOOKUPS_UNDER_STRACE = """
-import os, sys
+import asyncio, os, sys
 from tether.routing.claims import FileClaimStore, WorkerClaims
 from tether.routing.lifetimes import Lifetimes
 directory, me, mine, theirs, count = sys.argv[1:]
@@ -595,10 +609,18 @@ def done(coroutine):
         return finished.value
 
 done(claims.claim(mine))
+loop = asyncio.new_event_loop()
+watched = FileClaimStore(directory)
+watched.watch(loop)
+remembering = WorkerClaims(watched, me, Lifetimes(300.0))
+done(remembering.lookup(theirs))  # (read once, then remembered)
 for marker, session in ((b"own", mine), (b"other", theirs)):
     os.write(1, b"<" + marker + b">")
     for _ in range(int(count)):
         done(claims.lookup(session))
+os.write(1, b"<remembered>")
+for _ in range(int(count)):
+    done(remembering.lookup(theirs))
 os.write(1, b"<end>")
 """
 
@@ -635,7 +657,11 @@ def _syscalls_per_lookup(
             "total": round(sum(calls.get(marker, {}).values()) / count, 2),
             "by_call": {name: round(n / count, 2) for name, n in calls.get(marker, {}).items()},
         }
-        for kind, marker in (("own_session", "own"), ("other_workers_session", "other"))
+        for kind, marker in (
+            ("own_session", "own"),
+            ("other_workers_session", "other"),
+            ("other_workers_session_remembered", "remembered"),
+        )
     }
 
 
@@ -743,6 +769,14 @@ def table(result: dict[str, Any]) -> str:
             f"| {label} | {lookups[kind + '_us']:.{3 if kind == 'own_session' else 2}f} | "
             f"{lookups['store_calls_per_lookup'][kind]:g} | {counted} | {target} |"
         )
+    counted = "not counted (no strace)"
+    if syscalls is not None:
+        counted = f"{syscalls['other_workers_session_remembered']['total']:g}"
+    lines.append(
+        "| another worker's session, its claim file read before (a worker's watched store, "
+        f"dirwatch.py) | {lookups['other_workers_session_remembered_us']:.3f} | 1 | {counted} "
+        "| |"
+    )
     return "\n".join(lines)
 
 
@@ -767,6 +801,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "lookup_us": {
             "own_session": lookups["own_session_us"],
             "other_workers_session": lookups["other_workers_session_us"],
+            "other_workers_session_remembered":
+                lookups["other_workers_session_remembered_us"],
         },
         "lookup_system_calls": {
             kind: counted["total"]

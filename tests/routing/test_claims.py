@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tether.routing.claims import FileClaimStore
+from tether.routing.dirwatch import IN_CREATE, IN_DELETE, IN_IGNORED, IN_Q_OVERFLOW, changed_names
 from tether.routing.errors import TetherError
 from tether.routing.types import SessionId, WorkerId
 
@@ -85,3 +88,94 @@ def test_a_claim_file_that_names_no_worker_is_a_conflict_not_a_loop(short_tmp: P
         run(store.claim(SessionId("s"), WorkerId("b" * 32)))
     assert raised.value.code == "session_conflict"
     assert [p.name for p in short_tmp.iterdir()] == [path.name], "no temp file is left"
+
+
+C = WorkerId("c" * 32)
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    """Let the loop turn until `check` holds (the watch's events arrive through it)."""
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the watched store never saw the change")
+
+
+async def test_a_watched_store_remembers_a_claimant_until_its_claim_file_changes(
+    short_tmp: Path,
+) -> None:
+    directory = str(short_tmp / "claims")
+    reader, writer = FileClaimStore(directory), FileClaimStore(directory)
+    reader.watch(asyncio.get_running_loop())
+    try:
+        session = SessionId("s")
+        await writer.claim(session, A)
+        assert reader.claimant_now(session) == A
+        await writer.release(session, A)
+        await writer.claim(session, C)  # released and claimed again, in one turn
+        assert reader.claimant_now(session) == A  # remembered: the file was not read
+        await _until(lambda: reader.claimant_now(session) == C)
+        await writer.release(session, C)
+        await _until(lambda: reader.claimant_now(session) is None)
+        assert await reader.claimant(session) is None
+    finally:
+        reader.close()
+
+
+async def test_a_watched_store_never_remembers_a_session_nobody_claims(
+    short_tmp: Path,
+) -> None:
+    directory = str(short_tmp / "claims")
+    reader, writer = FileClaimStore(directory), FileClaimStore(directory)
+    reader.watch(asyncio.get_running_loop())
+    try:
+        assert reader.claimant_now(SessionId("s")) is None
+        await writer.claim(SessionId("s"), B)
+        assert reader.claimant_now(SessionId("s")) == B  # read at once, no turn waited
+    finally:
+        reader.close()
+
+
+async def test_a_closed_watch_reads_every_claimant_again(short_tmp: Path) -> None:
+    directory = str(short_tmp / "claims")
+    reader, writer = FileClaimStore(directory), FileClaimStore(directory)
+    reader.watch(asyncio.get_running_loop())
+    await writer.claim(SessionId("s"), A)
+    assert reader.claimant_now(SessionId("s")) == A
+    reader.close()
+    await writer.release(SessionId("s"), A)
+    await writer.claim(SessionId("s"), B)
+    assert reader.claimant_now(SessionId("s")) == B
+
+
+async def test_a_watched_store_whose_directory_is_replaced_stops_remembering(
+    short_tmp: Path,
+) -> None:
+    directory = short_tmp / "claims"
+    reader = FileClaimStore(str(directory))
+    reader.watch(asyncio.get_running_loop())
+    try:
+        await FileClaimStore(str(directory)).claim(SessionId("s"), A)
+        assert reader.claimant_now(SessionId("s")) == A
+        for name in os.listdir(directory):
+            os.unlink(directory / name)
+        os.rmdir(directory)
+        await FileClaimStore(str(directory)).claim(SessionId("s"), B)  # a new directory
+        await _until(lambda: reader.claimant_now(SessionId("s")) == B)
+        await FileClaimStore(str(directory)).release(SessionId("s"), B)
+        assert reader.claimant_now(SessionId("s")) is None  # unwatched: read every time
+    finally:
+        reader.close()
+
+
+def test_inotify_events_name_the_changed_files_and_flag_an_overflow() -> None:
+    def event(mask: int, name: bytes = b"") -> bytes:
+        padded = name + b"\0" * (-len(name) % 16) if name else b""
+        return struct.pack("iIII", 1, mask, 0, len(padded)) + padded
+
+    names, flags = changed_names(event(IN_CREATE, b"ab12") + event(IN_DELETE, b"cd34"))
+    assert (names, flags) == ({"ab12", "cd34"}, 0)
+    names, flags = changed_names(event(IN_DELETE, b"ab12") + event(IN_Q_OVERFLOW))
+    assert names == {"ab12"} and flags == IN_Q_OVERFLOW
+    assert changed_names(event(IN_IGNORED))[1] == IN_IGNORED
