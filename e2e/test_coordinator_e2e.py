@@ -42,7 +42,7 @@ EPISODES_NAME = "episodes"
 EPISODES = 30
 STEPS = 40
 STEP_MS = 20
-RACE_ATTEMPTS = 3
+RACE_ATTEMPTS = 6
 
 
 # Episodes (SPEC 5.8) -------------------------------------------------------------------------
@@ -269,7 +269,7 @@ async def test_fewer_registered_workers_than_configured_block_prepare(
             missing = await one_worker_short(server, http)
             if missing is None:
                 continue  # the replacement registered before we could look
-            answer = await ok(server, http, "prepare", checkpoint_id=cid, deadline_s=0.2)
+            answer = await ok(server, http, "prepare", checkpoint_id=cid, deadline_s=0.05)
             if answer["state"] == "blocked":
                 blocked = answer
                 break
@@ -320,7 +320,7 @@ async def test_a_restore_without_enough_workers_by_its_deadline_is_workers_missi
         async with Http(server.url) as http:
             missing = await one_worker_short(server, http)
             if missing is not None:
-                reply = await control(server, http, "restore", checkpoint_id=cid, deadline_s=0.3)
+                reply = await control(server, http, "restore", checkpoint_id=cid, deadline_s=0.05)
                 if reply.status != 200:
                     break
         await server.crash()
