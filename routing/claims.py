@@ -89,10 +89,10 @@ class FileClaimStore:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._watch: DirectoryWatch | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._known: dict[SessionId, tuple[str, WorkerId]] = {}
-        """Claimants read while watched: each session's file name and claimant."""
+        self._known: dict[SessionId, WorkerId] = {}
+        """Claimants read while watched, by session."""
         self._named: dict[str, SessionId] = {}
-        """The session each remembered file name is of."""
+        """The session each remembered claim file is of (what inotify names)."""
 
     def _name(self, session_id: SessionId) -> str:
         return hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
@@ -166,17 +166,14 @@ class FileClaimStore:
         """`claimant`, without a coroutine: remembered while watched (see the class)."""
         known = self._known.get(session_id)
         if known is not None:
-            return known[1]
-        if self._watch is None:
-            return self.read(session_id)
-        name = self._name(session_id)
+            return known
         owner = self.read(session_id)
-        if owner is not None:
+        if owner is not None and self._watch is not None:
             if len(self._known) >= KNOWN_MAX:
                 self._known.clear()
                 self._named.clear()
-            self._known[session_id] = (name, owner)
-            self._named[name] = session_id
+            self._known[session_id] = owner
+            self._named[self._name(session_id)] = session_id
         return owner
 
     def read(self, session_id: SessionId) -> WorkerId | None:

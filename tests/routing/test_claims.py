@@ -4,10 +4,11 @@ run each to completion on a loop of its own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -102,13 +103,21 @@ async def _until(check: Callable[[], bool]) -> None:
     raise AssertionError("the watched store never saw the change")
 
 
-async def test_a_watched_store_remembers_a_claimant_until_its_claim_file_changes(
-    short_tmp: Path,
-) -> None:
-    directory = str(short_tmp / "claims")
+@contextlib.asynccontextmanager
+async def _watched(directory: str) -> AsyncIterator[tuple[FileClaimStore, FileClaimStore]]:
+    """A store watched on the running loop, and another writing the same claims."""
     reader, writer = FileClaimStore(directory), FileClaimStore(directory)
     reader.watch(asyncio.get_running_loop())
     try:
+        yield reader, writer
+    finally:
+        reader.close()
+
+
+async def test_a_watched_store_remembers_a_claimant_until_its_claim_file_changes(
+    short_tmp: Path,
+) -> None:
+    async with _watched(str(short_tmp / "claims")) as (reader, writer):
         session = SessionId("s")
         await writer.claim(session, A)
         assert reader.claimant_now(session) == A
@@ -119,22 +128,15 @@ async def test_a_watched_store_remembers_a_claimant_until_its_claim_file_changes
         await writer.release(session, C)
         await _until(lambda: reader.claimant_now(session) is None)
         assert await reader.claimant(session) is None
-    finally:
-        reader.close()
 
 
 async def test_a_watched_store_never_remembers_a_session_nobody_claims(
     short_tmp: Path,
 ) -> None:
-    directory = str(short_tmp / "claims")
-    reader, writer = FileClaimStore(directory), FileClaimStore(directory)
-    reader.watch(asyncio.get_running_loop())
-    try:
+    async with _watched(str(short_tmp / "claims")) as (reader, writer):
         assert reader.claimant_now(SessionId("s")) is None
         await writer.claim(SessionId("s"), B)
         assert reader.claimant_now(SessionId("s")) == B  # read at once, no turn waited
-    finally:
-        reader.close()
 
 
 async def test_a_closed_watch_reads_every_claimant_again(short_tmp: Path) -> None:
