@@ -23,6 +23,7 @@ from tether.routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
 from tether.routing.hop import hop_value, strip_hop, take_hop
 from tether.routing.kinds import SessionKind
 from tether.routing.lifetimes import Role
+from tether.routing.logs import access_line
 from tether.routing.mcp import send_jsonrpc_error
 from tether.routing.relay import Relays
 from tether.routing.replies import ReplyField
@@ -190,8 +191,7 @@ class Router:
     ) -> None:
         """The one access log line of a request, written by the worker that received it
         (for one the passthrough sent, once its reply ended: front.py)."""
-        log.info("request", method=method, path=path, status=status, session_id=session_id,
-                 ms=round(seconds * 1000, 3))
+        access_line(method, path, status, session_id, round(seconds * 1000, 3))
 
     async def serve_forwarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The private entry: requests another worker forwarded here; never forwarded again."""

@@ -1,0 +1,47 @@
+"""The access line (routing/logs.py): built without structlog's chain under JSON, with
+what that chain would have written, in each process that configures logging."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+LINES = """
+    from tether.routing import logs
+    logs.configure_logging({fmt!r}, {level!r}, worker_id="w-7")
+    logs.access_line("GET", '/items/"quoted"\\u00e9', 201, "s-1", 0.25)
+    logs._structlog_access_line("GET", '/items/"quoted"\\u00e9', 201, "s-1", 0.25)
+    logs.access_line("POST", "/seed", 503, None, 1.5)
+"""
+
+
+def lines(fmt: str, level: str = "info") -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LINES.format(fmt=fmt, level=level))],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stderr.splitlines()
+
+
+def test_the_json_access_line_carries_what_structlogs_chain_would_write() -> None:
+    fast, chained, second = (json.loads(line) for line in lines("json"))
+    stamp: dict[str, Any] = {"timestamp": None}
+    assert {**fast, **stamp} == {**chained, **stamp}
+    assert list(fast) == list(chained), "the same keys, in the same order"
+    assert fast["path"] == '/items/"quoted"\u00e9' and fast["worker_id"] == "w-7"
+    assert fast["timestamp"].endswith("Z") and fast["timestamp"][:4].isdigit()
+    assert second["session_id"] is None and second["status"] == 503
+
+
+def test_no_access_line_is_written_below_the_level_configured() -> None:
+    assert lines("json", "warning") == []
+
+
+def test_the_console_access_line_goes_through_structlog() -> None:
+    fast, chained, _ = lines("console")
+    assert "request" in fast and "/items/" in fast and "w-7" in fast
+    assert fast.split(" ", 1)[1] == chained.split(" ", 1)[1], "all but the time alike"
