@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from e2e.conftest import Serve
-from e2e.harness import Connection, Http, Server, eventually
+from e2e.harness import COUNTER_APP, Connection, Http, Server, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -323,3 +323,53 @@ async def test_a_connection_whose_holder_is_killed_with_its_move_queued_is_answe
     # Given back, then copied: had the move never been sent, the passthrough would have
     # taken it (passed_through 1).
     assert (moved["handed_off"], moved["forwarded"], moved["passed_through"]) == (0, 1, 0)
+
+
+def _post(path: str, cookie: str, body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nhost: tether\r\ncookie: {cookie}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
+            ).encode() + data
+
+
+async def test_the_passthrough_follows_a_session_released_and_claimed_again_by_another_worker(
+    serve: Serve,
+) -> None:
+    # The receiving worker remembers who holds a session it passed through (claims.py,
+    # dirwatch.py); once that claim ends and another worker claims the session, the next
+    # request must reach the new holder, not the one remembered.
+    server = serve(COUNTER_APP, 3, "--close-window", "0.3")
+    cookie, first = await seed(server, "moves-on")
+    lines = await workers(server)
+    receiving, second = [w for w in lines if w != first]
+    through = await raw_on(server, lines, receiving, stay=False)
+    try:
+        through.write(b"GET /health HTTP/1.1\r\nhost: tether\r\n\r\n")  # so it stays there
+        assert (await through.reply())[0] == 200
+        for _ in range(3):
+            through.write(get("/count", cookie))
+            status, _, seen = await through.reply()
+            assert (status, seen["worker"]) == (200, first), seen
+        through.write(_post("/close_session", cookie, {"session_id": "moves-on"}))
+        status, _, seen = await through.reply()
+        assert (status, seen.get("closed")) == (200, True), seen
+        await eventually(lambda: "moves-on" not in server.claims(), 10,
+                         "the closed session's claim is gone")
+
+        seeding = await raw_on(server, lines, second, stay=False)
+        try:
+            seeding.write(_post("/seed_session", cookie, {"session_id": "moves-on"}))
+            status, _, seen = await seeding.reply()
+            assert (status, seen["worker"]) == (200, second), seen
+        finally:
+            await seeding.close()
+        assert server.claims().get("moves-on") == second
+
+        before = await workers(server)
+        through.write(get("/count", cookie))
+        status, _, seen = await through.reply()
+    finally:
+        await through.close()
+    assert (status, seen.get("worker"), seen.get("count")) == (200, second, 0), seen
+    after = await workers(server)
+    assert after[receiving]["passed_through"] - before[receiving]["passed_through"] == 1
