@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from datetime import UTC, datetime
+import time
+from json.encoder import encode_basestring_ascii as _string
 from typing import Any, Literal, TextIO
 
 import structlog
@@ -38,22 +39,35 @@ _access_log = structlog.get_logger("tether.router")
 
 
 class _JsonAccessLines:
-    """Access lines under the JSON format, built here with the keys structlog's chain
-    gives every other line: the chain costs about as much as the rest of a request the
-    receiving worker passes through (routing/front.py), and these lines are its only
-    per-request log."""
+    """Access lines under the JSON format, formatted here with what structlog's chain
+    gives every other line (the same keys in the same order, the fields bound at
+    configuration, an ISO UTC timestamp): the chain costs about as much as the rest of a
+    request the receiving worker passes through (routing/front.py), and these lines are
+    its only per-request log."""
 
     def __init__(self, stream: TextIO, bound: dict[str, str]) -> None:
         self._stream = stream
-        self._bound = bound
+        fields = "".join(f", {json.dumps(key)}: {json.dumps(value)}" for key, value in
+                         bound.items())
+        self._tail = f', "event": "request"{fields}, "level": "info", "timestamp": "'
+        self._second = -1
+        self._second_text = ""
 
     def __call__(
         self, method: str, path: str, status: int, session_id: str | None, ms: float
     ) -> None:
-        record = {"method": method, "path": path, "status": status, "session_id": session_id,
-                  "ms": ms, "event": "request", **self._bound, "level": "info",
-                  "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
-        self._stream.write(json.dumps(record) + "\n")
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        session = "null" if session_id is None else _string(session_id)
+        micros = int((now - second) * 1e6)
+        self._stream.write(
+            f'{{"method": {_string(method)}, "path": {_string(path)}, "status": {status}, '
+            f'"session_id": {session}, "ms": {ms!r}{self._tail}{self._second_text}'
+            f'.{micros:06d}Z"}}\n'
+        )
         self._stream.flush()
 
 
