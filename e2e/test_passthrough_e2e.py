@@ -189,7 +189,7 @@ async def test_a_connection_serves_its_own_workers_sessions_and_passes_the_other
 async def test_requests_the_passthrough_cannot_take_are_forwarded_by_copying_and_reach_the_holder(
     serve: Serve,
 ) -> None:
-    """Two requests in one write (pipelined), a head in two writes, and an `x-forwarded-for`
+    """Two requests in one write (pipelined), a head in two writes, and a `forwarded`
     header: each goes the router's way, and each still reaches its holder."""
     server = serve(APP, 2)
     cookie, holder, other, raw = await across(server, "copied")
@@ -204,10 +204,10 @@ async def test_requests_the_passthrough_cannot_take_are_forwarded_by_copying_and
         raw.write(request[20:])
         status, _, seen = await raw.reply()
         assert (status, seen["worker"]) == (200, holder)
-        proxied = b"\r\nx-forwarded-for: 10.1.2.3\r\n\r\n"
+        proxied = b"\r\nforwarded: for=10.1.2.3\r\n\r\n"
         raw.write(get("/echo?n=4", cookie).replace(b"\r\n\r\n", proxied))
         status, _, seen = await raw.reply()
-        assert (status, seen["worker"], seen["client"][0]) == (200, holder, "10.1.2.3")
+        assert (status, seen["worker"], seen["client"]) == (200, holder, ["127.0.0.1", raw.port])
     finally:
         await raw.close()
     after = await workers(server)
@@ -373,3 +373,31 @@ async def test_the_passthrough_follows_a_session_released_and_claimed_again_by_a
     assert (status, seen.get("worker"), seen.get("count")) == (200, second, 0), seen
     after = await workers(server)
     assert after[receiving]["passed_through"] - before[receiving]["passed_through"] == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "proxied"),
+    [((), True), (("--forwarded-allow-ips", "10.9.9.9"), False), (("--no-proxy-headers",), False)],
+    ids=["trusted-proxy", "untrusted-proxy", "no-proxy-headers"],
+)
+async def test_a_request_naming_a_proxys_caller_passes_through_and_sees_that_caller(
+    serve: Serve, flags: tuple[str, ...], proxied: bool
+) -> None:
+    # Behind a reverse proxy every request carries x-forwarded-*: it takes the passthrough,
+    # and the app sees the caller uvicorn's proxy headers rules give it (SPEC 8).
+    server = serve(APP, 2, *flags)
+    cookie, holder, other, raw = await across(server, "proxied")
+    before = await workers(server)
+    try:
+        raw.write(f"GET /echo HTTP/1.1\r\nhost: tether\r\ncookie: {cookie}\r\n"
+                  "x-forwarded-for: 203.0.113.7\r\nx-forwarded-proto: https\r\n\r\n".encode())
+        status, _, seen = await raw.reply()
+    finally:
+        await raw.close()
+    assert (status, seen["worker"]) == (200, holder), seen
+    if proxied:
+        assert (seen["client"], seen["scheme"]) == (["203.0.113.7", 0], "https")
+    else:
+        assert (seen["client"], seen["scheme"]) == (["127.0.0.1", raw.port], "http")
+    after = await workers(server)
+    assert after[other]["passed_through"] - before[other]["passed_through"] == 1

@@ -14,7 +14,7 @@ copying what it must (forward.py): a request with no session, or this worker's, 
 another host's; a head or body that did not come in one read, or one that arrives while
 uvicorn's parser is inside another request; a body of unknown length; an upgrade
 (WebSocket), `expect`, hop-by-hop headers (but `connection: keep-alive`, which is left
-out, and `connection: close`, which both ends then honour) or `x-forwarded-*`; a method
+out, and `connection: close`, which both ends then honour) or `forwarded`; a method
 other than GET, POST, PUT, PATCH, DELETE and OPTIONS; over `--limit-concurrency`; and one
 whose holder's socket does not take it at once. A request whose link fails before the
 reply's first byte is given to uvicorn's protocol too, with the bytes it came with, so
@@ -27,6 +27,11 @@ the connection itself moves to the holder, whose `FrontProtocol` then serves it 
 had accepted it (`hand_in`), its first request as a forwarded one, and any later request
 of it as its own (a session held elsewhere takes the passthrough from there). A handoff
 that does not go through at once leaves the request to the passthrough.
+
+A request with `x-forwarded-for` or `x-forwarded-proto` (every request, behind a reverse
+proxy) takes the passthrough too: its hop header names the caller uvicorn's own
+`ProxyHeadersMiddleware`, with this server's `--forwarded-allow-ips`, makes of that head,
+as the copying path's hop header names the caller of the scope the middleware corrected.
 
 It replaces the public server's protocol only where it can: httptools (uvicorn's
 default), no TLS (`--ssl-*`) and no HTTP/2, and a process that does not trace (a traced
@@ -45,6 +50,7 @@ from urllib.parse import unquote
 import structlog
 import uvicorn
 from starlette.types import Message, Scope
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tether.routing.errors import TetherError
@@ -66,12 +72,13 @@ _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _SPACES = b" \t"
 _NOT_PASSED = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-    b"transfer-encoding", b"upgrade", b"expect", HOP_HEADER, b"x-forwarded-for",
-    b"x-forwarded-proto", b"forwarded",
+    b"transfer-encoding", b"upgrade", b"expect", HOP_HEADER, b"forwarded",
 })
 """Headers that send a request the router's way: hop-by-hop ones, `expect` (uvicorn
-answers it), a client's hop header (the router strips it) and the proxy headers uvicorn
-reads (its middleware corrects the caller's address first)."""
+answers it), a client's hop header (the router strips it) and `forwarded` (which uvicorn
+does not read, and a later version might)."""
+_PROXIED = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})
+"""The proxy headers uvicorn's `ProxyHeadersMiddleware` reads to correct the caller."""
 
 
 def head_scope(head: bytes, root_path: str) -> Scope | None:
@@ -141,12 +148,14 @@ class _Head:
     """What the passthrough reads of a request head it may take: the scope a routing
     decision reads, the body's declared length (-1: none), and the head to send on."""
 
-    __slots__ = ("length", "scope", "sent")
+    __slots__ = ("length", "proxied", "scope", "sent")
 
-    def __init__(self, scope: Scope, length: int, sent: bytes) -> None:
+    def __init__(self, scope: Scope, length: int, sent: bytes, proxied: bool) -> None:
         self.scope = scope
         self.length = length
         self.sent = sent
+        self.proxied = proxied
+        """It names a proxy's caller (`_PROXIED`)."""
 
 
 def read_head(head: bytes, root_path: str) -> _Head | None:
@@ -156,9 +165,11 @@ def read_head(head: bytes, root_path: str) -> _Head | None:
     if scope is None or scope["method"] not in _METHODS:
         return None
     length = -1
-    said_keep_alive = False
+    said_keep_alive = proxied = False
     for name, value in scope["headers"]:
-        if name in _NOT_PASSED:
+        if name in _PROXIED:
+            proxied = True
+        elif name in _NOT_PASSED:
             if name != b"connection":
                 return None
             token = value.lower()
@@ -176,7 +187,36 @@ def read_head(head: bytes, root_path: str) -> _Head | None:
     if root_path:  # the target as uvicorn gives it the router: `--root-path` in front
         method, _, rest = head.partition(b" ")
         head = b"%s %s%s" % (method, root_path.encode("ascii"), rest)
-    return _Head(scope, length, head)
+    return _Head(scope, length, head, proxied)
+
+
+class _ProxyHeaders:
+    """uvicorn's `ProxyHeadersMiddleware`, asked which caller it would give the app for a
+    request, so that a passed-through request's hop header names the caller a copied
+    one's does."""
+
+    def __init__(self, trusted_hosts: list[str] | str) -> None:
+        self._seen: Scope | None = None
+        self._middleware = ProxyHeadersMiddleware(self._see, trusted_hosts)  # type: ignore[arg-type]
+
+    async def _see(self, scope: Scope, receive: Any, send: Any) -> None:
+        self._seen = scope
+
+    def caller(self, scope: Scope) -> Scope | None:
+        """`scope` as the middleware passes it on; None if it did not at once (it has
+        always done so: it reads only the scope)."""
+        self._seen = None
+        step = self._middleware(scope, _never, _never)  # type: ignore[arg-type]
+        try:
+            step.send(None)
+        except StopIteration:
+            return self._seen
+        step.close()
+        return None
+
+
+async def _never(*_: Any) -> Any:
+    raise RuntimeError("the proxy headers middleware is asked only about a scope")
 
 
 class _Spliced:
@@ -277,7 +317,9 @@ class Passthrough:
         link = self.links.get(path)
         if link is None:
             return None
-        hop = front.hop_value()
+        hop = front.hop_value(scope if read.proxied else None)
+        if hop is None:
+            return None
         request = b"%s\r\n%s: %s\r\n\r\n%s" % (read.sent, HOP_HEADER, hop, data[end + 4 :])
         spliced = _Spliced(front, link, data, scope, target, started)
         if not link.send(request, spliced):
@@ -372,6 +414,8 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
     connection, between two messages, to `passthrough` first."""
 
     class FrontProtocol(HttpToolsProtocol):
+        proxy_headers: _ProxyHeaders | None = None
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._spliced: _Spliced | None = None
@@ -405,8 +449,23 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             self._handed_in = data
             self._first = False  # (a connection moves once)
 
-        def hop_value(self) -> bytes:
-            """The hop header's value for this connection's caller (hop.py)."""
+        def hop_value(self, proxied: Scope | None = None) -> bytes | None:
+            """The hop header's value (hop.py) for this connection's caller, or for the
+            caller a request whose head named a proxy's (`proxied`, its scope) has, as
+            `--proxy-headers` corrects it; None if that is not known at once."""
+            if proxied is not None and self.config.proxy_headers:
+                proxy_headers = FrontProtocol.proxy_headers
+                if proxy_headers is None:  # (one server's config per process)
+                    proxy_headers = FrontProtocol.proxy_headers = _ProxyHeaders(
+                        self.config.forwarded_allow_ips
+                    )
+                caller = proxy_headers.caller({
+                    "type": "http", "client": self.client, "scheme": self.scheme,
+                    "headers": proxied["headers"],
+                })
+                if caller is None:
+                    return None
+                return hop_value({**caller, "server": self.server, "root_path": self.root_path})
             if self._hop is None:
                 self._hop = hop_value({
                     "client": self.client, "server": self.server,

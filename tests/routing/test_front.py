@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tether.routing.front import head_scope, read_head
+import pytest
+
+from tether.routing.front import _ProxyHeaders, head_scope, read_head
 
 
 def test_a_plain_head_gives_method_paths_query_and_lowercased_headers() -> None:
@@ -59,7 +61,7 @@ def test_heads_the_passthrough_leaves_to_the_router_read_as_none() -> None:
         b"POST / HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 1",
         b"POST / HTTP/1.1\r\ncontent-length: -1",
         b"POST / HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 1",
-        b"GET / HTTP/1.1\r\nx-forwarded-for: 10.0.0.1",
+        b"GET / HTTP/1.1\r\nforwarded: for=10.0.0.1",
         b"GET / HTTP/1.1\r\nx-tether-hop: http 1.2.3.4 1 h 1 ",
     ):
         assert read_head(head, "") is None, head
@@ -73,3 +75,31 @@ def test_keep_alive_lines_all_go_and_a_close_line_stays() -> None:
     )
     assert read is not None
     assert read.sent == b"GET / HTTP/1.1\r\nconnection: close\r\nhost: t"
+
+
+def test_a_head_naming_a_proxys_caller_is_read_and_marked_proxied() -> None:
+    for name in (b"X-Forwarded-For: 203.0.113.7", b"x-forwarded-proto: https"):
+        read = read_head(b"GET / HTTP/1.1\r\nhost: t\r\n" + name, "")
+        assert read is not None and read.proxied, name
+        assert read.sent.endswith(name), "sent on unchanged"
+    plain = read_head(b"GET / HTTP/1.1\r\nhost: t", "")
+    assert plain is not None and not plain.proxied
+
+
+@pytest.mark.parametrize(
+    ("trusted", "client", "expected"),
+    [
+        ("127.0.0.1", "127.0.0.1", (("203.0.113.7", 0), "https")),
+        ("127.0.0.1", "10.1.1.1", (("10.1.1.1", 5000), "http")),  # not a trusted proxy
+        ("*", "10.1.1.1", (("203.0.113.7", 0), "https")),
+    ],
+)
+def test_a_proxied_caller_is_the_one_uvicorns_middleware_gives_the_app(
+    trusted: str, client: str, expected: tuple[tuple[str, int], str]
+) -> None:
+    caller = _ProxyHeaders(trusted).caller({
+        "type": "http", "client": (client, 5000), "scheme": "http",
+        "headers": [(b"x-forwarded-for", b"203.0.113.7"), (b"x-forwarded-proto", b"https")],
+    })
+    assert caller is not None
+    assert (caller["client"], caller["scheme"]) == expected
