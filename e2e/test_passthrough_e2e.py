@@ -401,3 +401,22 @@ async def test_a_request_naming_a_proxys_caller_passes_through_and_sees_that_cal
         assert (seen["client"], seen["scheme"]) == (["127.0.0.1", raw.port], "http")
     after = await workers(server)
     assert after[other]["passed_through"] - before[other]["passed_through"] == 1
+
+
+async def test_a_connections_proxied_first_request_moves_it_and_the_holder_sees_the_proxys_caller(
+    serve: Serve,
+) -> None:
+    server = serve(APP, 2)
+    cookie, holder, other, raw = await across(server, "proxied-move", stay=False)
+    before = await workers(server)
+    try:
+        for _ in range(2):
+            raw.write(f"GET /echo HTTP/1.1\r\nhost: tether\r\ncookie: {cookie}\r\n"
+                      "x-forwarded-for: 203.0.113.7\r\nx-forwarded-proto: https\r\n\r\n".encode())
+            status, _, seen = await raw.reply()
+            assert (status, seen["worker"]) == (200, holder), seen
+            assert (seen["client"], seen["scheme"]) == (["203.0.113.7", 0], "https")
+    finally:
+        await raw.close()
+    after = await workers(server)
+    assert after[other]["handed_off"] - before[other]["handed_off"] == 1

@@ -38,35 +38,51 @@ _chosen: LogFormat | None = None
 _access_log = structlog.get_logger("tether.router")
 
 
-class _JsonAccessLines:
-    """Access lines under the JSON format, formatted here with what structlog's chain
-    gives every other line (the same keys in the same order, the fields bound at
-    configuration, an ISO UTC timestamp): the chain costs about as much as the rest of a
-    request the receiving worker passes through (routing/front.py), and these lines are
-    its only per-request log."""
+_LINE_KEYS = frozenset({"method", "path", "status", "session_id", "ms", "event", "level",
+                        "timestamp"})
+"""An access line's own keys: a context field of one of these names is placed by the
+chain's own rules, so such a line goes through the chain."""
 
-    def __init__(self, stream: TextIO, bound: dict[str, str]) -> None:
+
+class _JsonAccessLines:
+    """Access lines under the JSON format, formatted here as structlog's chain writes
+    every other line (the same keys in the same order, the context's fields as structlog
+    orders and renders them, an ISO UTC timestamp): the chain costs about as much as the
+    rest of a request the receiving worker passes through (routing/front.py), and these
+    lines are its only per-request log."""
+
+    def __init__(self, stream: TextIO) -> None:
         self._stream = stream
-        fields = "".join(f", {json.dumps(key)}: {json.dumps(value)}" for key, value in
-                         bound.items())
-        self._tail = f', "event": "request"{fields}, "level": "info", "timestamp": "'
+        self._render = structlog.processors.JSONRenderer()
+        self._context: dict[str, Any] | None = None
+        self._tail = ""
         self._second = -1
         self._second_text = ""
 
     def __call__(
         self, method: str, path: str, status: int, session_id: str | None, ms: float
     ) -> None:
+        context = structlog.contextvars.get_contextvars()  # (an app may bind its own)
+        if context != self._context:
+            if not _LINE_KEYS.isdisjoint(context):
+                _structlog_access_line(method, path, status, session_id, ms)
+                return
+            fields = str(self._render(None, "", dict(context)))[1:-1]
+            fields = f", {fields}" if fields else ""
+            self._tail = f', "event": "request"{fields}, "level": "info", "timestamp": "'
+            self._context = context
         now = time.time()
         second = int(now)
         if second != self._second:
             self._second = second
             self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        session = "null" if session_id is None else _string(session_id)
         micros = int((now - second) * 1e6)
+        fraction = f".{micros:06d}" if micros else ""  # (as isoformat leaves it out)
+        session = "null" if session_id is None else _string(session_id)
         self._stream.write(
             f'{{"method": {_string(method)}, "path": {_string(path)}, "status": {status}, '
             f'"session_id": {session}, "ms": {ms!r}{self._tail}{self._second_text}'
-            f'.{micros:06d}Z"}}\n'
+            f'{fraction}Z"}}\n'
         )
         self._stream.flush()
 
@@ -126,9 +142,7 @@ def configure_logging(
     if threshold > logging.INFO:
         _access_line = _no_access_line
     elif _chosen == "json":
-        # Only the fields bound here: tether binds no others, and reading the context
-        # for each line would cost what the chain does.
-        _access_line = _JsonAccessLines(sys.stderr, dict(bound))
+        _access_line = _JsonAccessLines(sys.stderr)
     else:
         _access_line = _structlog_access_line
     shared: list[structlog.types.Processor] = [

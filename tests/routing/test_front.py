@@ -92,10 +92,11 @@ def test_a_head_naming_a_proxys_caller_is_read_and_marked_proxied() -> None:
         ("127.0.0.1", "127.0.0.1", (("203.0.113.7", 0), "https")),
         ("127.0.0.1", "10.1.1.1", (("10.1.1.1", 5000), "http")),  # not a trusted proxy
         ("*", "10.1.1.1", (("203.0.113.7", 0), "https")),
+        (["10.0.0.1", "127.0.0.1"], "127.0.0.1", (("203.0.113.7", 0), "https")),
     ],
 )
 def test_a_proxied_caller_is_the_one_uvicorns_middleware_gives_the_app(
-    trusted: str, client: str, expected: tuple[tuple[str, int], str]
+    trusted: str | list[str], client: str, expected: tuple[tuple[str, int], str]
 ) -> None:
     caller = _ProxyHeaders(trusted).caller({
         "type": "http", "client": (client, 5000), "scheme": "http",
