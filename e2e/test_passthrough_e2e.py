@@ -375,6 +375,13 @@ async def test_the_passthrough_follows_a_session_released_and_claimed_again_by_a
     assert after[receiving]["passed_through"] - before[receiving]["passed_through"] == 1
 
 
+def proxied_echo(cookie: str) -> bytes:
+    """`GET /echo` as a reverse proxy sends it on for the caller 203.0.113.7 over https."""
+    return get("/echo", cookie).replace(
+        b"\r\n\r\n", b"\r\nx-forwarded-for: 203.0.113.7\r\nx-forwarded-proto: https\r\n\r\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("flags", "proxied"),
     [((), True), (("--forwarded-allow-ips", "10.9.9.9"), False), (("--no-proxy-headers",), False)],
@@ -389,8 +396,7 @@ async def test_a_request_naming_a_proxys_caller_passes_through_and_sees_that_cal
     cookie, holder, other, raw = await across(server, "proxied")
     before = await workers(server)
     try:
-        raw.write(f"GET /echo HTTP/1.1\r\nhost: tether\r\ncookie: {cookie}\r\n"
-                  "x-forwarded-for: 203.0.113.7\r\nx-forwarded-proto: https\r\n\r\n".encode())
+        raw.write(proxied_echo(cookie))
         status, _, seen = await raw.reply()
     finally:
         await raw.close()
@@ -411,8 +417,7 @@ async def test_a_connections_proxied_first_request_moves_it_and_the_holder_sees_
     before = await workers(server)
     try:
         for _ in range(2):
-            raw.write(f"GET /echo HTTP/1.1\r\nhost: tether\r\ncookie: {cookie}\r\n"
-                      "x-forwarded-for: 203.0.113.7\r\nx-forwarded-proto: https\r\n\r\n".encode())
+            raw.write(proxied_echo(cookie))
             status, _, seen = await raw.reply()
             assert (status, seen["worker"]) == (200, holder), seen
             assert (seen["client"], seen["scheme"]) == (["203.0.113.7", 0], "https")
