@@ -314,11 +314,11 @@ class Passthrough:
         path = self._paths.get(target)
         if path is None:
             path = self._paths[target] = self.path_of(target)
-        link = self.links.get(path)
-        if link is None:
-            return None
         hop = front.hop_value(scope if read.proxied else None)
         if hop is None:
+            return None
+        link = self.links.get(path)
+        if link is None:
             return None
         request = b"%s\r\n%s: %s\r\n\r\n%s" % (read.sent, HOP_HEADER, hop, data[end + 4 :])
         spliced = _Spliced(front, link, data, scope, target, started)

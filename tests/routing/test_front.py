@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tether.routing.front import _ProxyHeaders, head_scope, read_head
@@ -104,3 +106,19 @@ def test_a_proxied_caller_is_the_one_uvicorns_middleware_gives_the_app(
     })
     assert caller is not None
     assert (caller["client"], caller["scheme"]) == expected
+
+
+def test_a_proxy_middleware_that_would_wait_tells_no_caller_and_is_closed() -> None:
+    # (uvicorn's never waits; one that did must leave the request to the copying path)
+    proxy = _ProxyHeaders("127.0.0.1")
+    finished = []
+
+    async def waits(scope: object, receive: object, send: object) -> None:
+        try:
+            await asyncio.sleep(0)
+        finally:
+            finished.append(True)
+
+    proxy._middleware = waits  # type: ignore[assignment]
+    assert proxy.caller({"type": "http", "client": ("127.0.0.1", 1), "headers": []}) is None
+    assert finished == [True], "the waiting step was closed, not left pending"
