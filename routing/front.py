@@ -20,7 +20,9 @@ whose holder's socket does not take it at once. A request whose link fails befor
 reply's first byte is given to uvicorn's protocol too, with the bytes it came with, so
 the forwarder's retry and its 410 and 503 rules answer it.
 The head is read here only to pick the worker; the holder parses it again and decides
-by itself (SPEC 4.2: what arrives on a private socket is served there).
+by itself (SPEC 4.2: what arrives on a private socket is served there). A request left to
+this worker's own router takes along what `find` made of its head (`FOUND_KEY`), so the
+router does not read its session from the head a second time.
 
 A connection's first request is not spliced but handed off when it can be (handoff.py):
 the connection itself moves to the holder, whose `FrontProtocol` then serves it as if it
@@ -56,7 +58,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from tether.routing.errors import TetherError
 from tether.routing.handoff import Handoffs
 from tether.routing.hop import HOP_HEADER, hop_value
-from tether.routing.router import HANDED_KEY, SCOPE_KEY, Router, session_gone
+from tether.routing.router import FOUND_KEY, HANDED_KEY, SCOPE_KEY, Router, session_gone
+from tether.routing.sources import Found
 from tether.routing.splice import Link, Links
 from tether.routing.types import WorkerId
 from tether.routing.writes import JoinedWrites
@@ -284,10 +287,14 @@ class Passthrough:
         self.handoffs = None if handoff_of is None else Handoffs(handoff_of)
         self.closed = False
 
-    def start(self, front: Any, data: bytes, first: bool = False) -> _Spliced | _Moving | None:
+    def start(
+        self, front: Any, data: bytes, first: bool = False
+    ) -> _Spliced | _Moving | Found | None:
         """Send the request `data` holds whole to its session's holder, if it may take
         the passthrough (or, as the connection's `first` request, hand the connection to
-        it: MOVING, and `front` is told how that ended); None (nothing sent) otherwise."""
+        it: MOVING, and `front` is told how that ended). Otherwise nothing is sent: a
+        request its holder's worker serves here gives what its head says of its
+        session, for the router (`FOUND_KEY`); any other gives None."""
         started = time.perf_counter()
         if len(data) > PASSTHROUGH_MAX:
             return None
@@ -304,7 +311,8 @@ class Passthrough:
         scope = read.scope
         target = router.passthrough_target(scope)
         if target is None:
-            return None
+            found: Found | None = scope.get(FOUND_KEY)
+            return found
         if first and self.handoffs is not None and self.handoffs.send(
             target, front.raw_transport.get_extra_info("socket").fileno(), data, front
         ):
@@ -430,6 +438,8 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             """No request has started on this connection yet."""
             self._handed_in: bytes | None = None
             self._mark_handed = False
+            self._found: Found | None = None
+            """What the passthrough read of the request uvicorn's parser is given next."""
             self._moving: bytes | None = None
             """The request of this connection while it is being moved (handoff.py)."""
 
@@ -479,6 +489,9 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             if self._mark_handed:
                 self._mark_handed = False
                 self.scope[HANDED_KEY] = True  # type: ignore[literal-required]
+            if self._found is not None:
+                self.scope[FOUND_KEY] = self._found  # type: ignore[literal-required]
+                self._found = None
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -505,6 +518,13 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 except Exception:  # (out of file descriptors, say): uvicorn's way answers
                     log.exception("passthrough_failed")
                     spliced = None
+                if isinstance(spliced, Found):
+                    self._found = spliced  # (its message begins within this call)
+                    try:
+                        super().data_received(data)
+                    finally:
+                        self._found = None
+                    return
                 if isinstance(spliced, _Moving):
                     self._moving = data
                     self.raw_transport.pause_reading()  # (the holder may read it already)

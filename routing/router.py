@@ -50,6 +50,9 @@ ROUTER_KEY = "tether.router"
 HANDED_KEY = "tether.handed_in"
 """Set in the scope of a connection's first request when another worker handed the
 connection here (routing/handoff.py): that request is served as a forwarded one."""
+FOUND_KEY = "tether.found"
+"""Set in the scope of a request whose head the passthrough (front.py) read and left to
+this router: what `find` made of that head, so that the router does not read it again."""
 
 
 class Admission(Protocol):
@@ -222,7 +225,9 @@ class Router:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, forwarded: bool) -> None:
         kind = self.kind
-        found = find(kind, scope)
+        found: Found | None = scope.pop(FOUND_KEY, None)
+        if found is None:
+            found = find(kind, scope)
         if found.hop:
             strip_hop(scope)  # a client's forgery: only our forwarder may send one
         body: bytes | None = None
@@ -314,14 +319,15 @@ class Router:
         send a request with this head to: the live one that holds its session, when that
         is known without waiting (this worker's memory, a claim file, the placed-session
         table); the session's ID is then in the scope. None: the request goes through
-        `__call__`, where `destination` decides as for any request."""
+        `__call__`, where `destination` decides as for any request. What `find` made of
+        the head, once read, is in the scope under `FOUND_KEY`."""
         kind, claims = self.kind, self.claims
         if kind is None or claims is None:
             return None
         path = route_path(scope)
         if path.startswith(CONTROL_PREFIX) or (scope["method"], path) in kind.body_routes:
             return None
-        found = find(kind, scope)
+        found = scope[FOUND_KEY] = find(kind, scope)
         session_id = found.session_id
         if session_id is None or found.hop or claims.mine(session_id) or not claims.leased():
             return None

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+import tether.routing.router as router_module
 from tests.routing.apps import session_app
 from tests.routing.conftest import Cluster, Node
 from tests.routing.test_hop import seeded, whoami
 from tether.routing.forward import HOP_BY_HOP
+from tether.routing.sources import Found, find
 from tether.routing.writes import JoinedWrites
 
 
@@ -52,3 +56,23 @@ async def test_the_passthrough_and_the_private_server_write_through_joined_write
 
     assert fronts and all(isinstance(t, JoinedWrites) for t in fronts)
     assert privates and all(isinstance(t, JoinedWrites) for t in privates)
+
+
+async def test_a_request_the_passthrough_leaves_to_this_worker_has_its_head_read_once(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await cluster.add(session_app())
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(b, "here")
+    reads: list[object] = []
+
+    def counted(kind: Any, scope: Any) -> Found:
+        reads.append(scope)
+        return find(kind, scope)
+
+    monkeypatch.setattr(router_module, "find", counted)
+    seen, _ = await whoami(b, cookies)
+
+    assert seen["worker"] == b.id
+    assert b.routing.router.stats.passed_through == 0
+    assert len(reads) == 1, "the router used what the passthrough read"
