@@ -55,6 +55,7 @@ from starlette.types import Message, Scope
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from tether.routing.at_once import ran_at_once
 from tether.routing.errors import TetherError
 from tether.routing.handoff import Handoffs
 from tether.routing.hop import HOP_HEADER, hop_value
@@ -209,12 +210,8 @@ class _ProxyHeaders:
         """`scope` as the middleware passes it on; None if it did not at once (it has
         always done so: it reads only the scope)."""
         self._seen = None
-        step = self._middleware(scope, _never, _never)  # type: ignore[arg-type]
-        try:
-            step.send(None)
-        except StopIteration:
+        if ran_at_once(self._middleware(scope, _never, _never)):  # type: ignore[arg-type]
             return self._seen
-        step.close()
         return None
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tether.routing.at_once import ran_at_once
 from tether.routing.claims import LATER, LEASE_LAPSED, WorkerClaims
 from tether.routing.errors import TetherError, send_error
 from tether.routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
@@ -295,12 +296,8 @@ class Router:
         async def collect(message: Message) -> None:
             messages.append(message)
 
-        refusing = self._refuse(collect, error)
-        try:
-            refusing.send(None)
-        except StopIteration:
+        if ran_at_once(self._refuse(collect, error)):
             return messages
-        refusing.close()
         raise RuntimeError("a refusal waited")  # (it never does: `collect` does not)
 
     def _to_owner(
