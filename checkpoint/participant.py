@@ -33,7 +33,7 @@ from tether.checkpoint.segments import (
     read_records,
 )
 from tether.routing.errors import TetherError
-from tether.routing.types import SessionId
+from tether.routing.types import LATER, Later, SessionId
 
 log = structlog.get_logger("tether.participant")
 
@@ -222,11 +222,12 @@ class Participant:
     def holds(self, session_id: str) -> bool:
         return self.provider is not None and self.provider.holds(session_id)
 
-    async def enter(
+    def admit(
         self, session_id: SessionId | None, stateless: bool, background: bool
-    ) -> Callable[[], None] | None:
-        """Admit one request: wait while closed if it names a session held here, serve
-        stateless routes, refuse everything else with 503 `checkpoint_parked`.
+    ) -> Callable[[], None] | Later | None:
+        """Admit one request: serve stateless routes, refuse with 503 `checkpoint_parked`
+        any other while closed unless it names a session held here, which must wait
+        (LATER: `enter` waits).
 
         Returns the call that ends the request's tracking, or None when it is not tracked
         (background streams, stateless routes, requests that name no session). A request
@@ -234,19 +235,27 @@ class Participant:
         building the state a checkpoint would write."""
         if background:
             return None
-        held = session_id is not None and self.holds(session_id)
         if self.admission_closed:
             if stateless:
                 return None
-            if not held:
+            if session_id is None or not self.holds(session_id):
                 raise TetherError("checkpoint_parked", "a checkpoint is open; retry shortly")
-            await self.wait_open()
-            if session_id is None or not self.holds(session_id):  # released: an aborted restore
-                raise TetherError(
-                    "checkpoint_parked", "its session went away while it waited; retry"
-                )
-        if session_id is None:
-            return None
+            return LATER
+        return None if session_id is None else self._track(session_id)
+
+    async def enter(
+        self, session_id: SessionId | None, stateless: bool, background: bool
+    ) -> Callable[[], None] | None:
+        """`admit`, waiting while closed for a request that names a session held here."""
+        admitted = self.admit(session_id, stateless, background)
+        if admitted is not LATER:
+            return admitted
+        await self.wait_open()
+        if session_id is None or not self.holds(session_id):  # released: an aborted restore
+            raise TetherError("checkpoint_parked", "its session went away while it waited; retry")
+        return self._track(session_id)
+
+    def _track(self, session_id: SessionId) -> Callable[[], None]:
         key = str(session_id)
         self._in_progress[key] = self._in_progress.get(key, 0) + 1
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import hashlib
 import math
 import os
@@ -23,7 +22,7 @@ import structlog
 from tether.routing.dirwatch import DirectoryWatch
 from tether.routing.errors import TetherError
 from tether.routing.lifetimes import Lifetimes, Role
-from tether.routing.types import SessionId, WorkerId, worker_id_or_none
+from tether.routing.types import LATER, Later, SessionId, WorkerId, worker_id_or_none
 
 log = structlog.get_logger("tether.claims")
 
@@ -196,14 +195,6 @@ class FileClaimStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(session_id))
 
-
-class Later(enum.Enum):
-    """What `WorkerClaims.claimant_now` says when only waiting on the store could tell."""
-
-    LATER = "later"
-
-
-LATER = Later.LATER
 
 LEASE_LAPSED = (
     "this host's lease on the cluster's live set lapsed; it restarts its workers once "

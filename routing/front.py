@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import http
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,7 @@ from tether.routing.at_once import ran_at_once
 from tether.routing.errors import TetherError
 from tether.routing.handoff import Handoffs
 from tether.routing.hop import HOP_HEADER, hop_value
+from tether.routing.kinds import ANY_KIND_SLOTS, SessionKind
 from tether.routing.router import FOUND_KEY, HANDED_KEY, SCOPE_KEY, Router, session_gone
 from tether.routing.sources import Found
 from tether.routing.splice import Link, Links
@@ -67,7 +69,7 @@ from tether.routing.writes import JoinedWrites
 
 log = structlog.get_logger("tether.front")
 
-__all__ = ["MOVING", "Passthrough", "fits", "front_protocol", "head_scope", "read_head"]
+__all__ = ["MOVING", "HeadReader", "Passthrough", "fits", "front_protocol"]
 
 PASSTHROUGH_MAX = 1 << 16
 """The largest request (head and body, in one read) that takes the passthrough."""
@@ -85,49 +87,90 @@ _PROXIED = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})
 """The proxy headers uvicorn's `ProxyHeadersMiddleware` reads to correct the caller."""
 
 
-def head_scope(head: bytes, root_path: str) -> Scope | None:
-    """The parts of an ASGI scope a routing decision reads, from an HTTP/1.1 request head
-    without its closing blank line; None for anything else (HTTP/1.0, obsolete line
-    folding, a header line without a colon)."""
-    lines = head.split(b"\r\n")
-    request_line = lines[0].split(b" ")
-    if len(request_line) != 3 or request_line[2] != b"HTTP/1.1":
-        return None
-    method, target, _ = request_line
-    if not target.startswith(b"/"):
-        return None
-    raw_path, _, query = target.partition(b"?")
-    headers: list[tuple[bytes, bytes]] = []
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name[-1] in _SPACES or name[0] in _SPACES:
+_HEAD = re.compile(
+    rb"([A-Z]+) (/[!-~]*) HTTP/1\.1((?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*)*)"
+)
+"""An HTTP/1.1 request head the passthrough may read: an origin-form target of printable
+ASCII, and header lines that are each a token, a colon and a value (no line folding)."""
+
+
+class HeadReader:
+    """Reads request heads for one kind of session, as far as the passthrough needs them:
+    the parts of an ASGI scope a routing decision reads, picking out of the headers only
+    those `sources.find` reads for the kind and those the passthrough's own rules read."""
+
+    def __init__(self, kind: SessionKind | None) -> None:
+        slots = kind.header_slots if kind is not None else ANY_KIND_SLOTS
+        names = sorted({*slots, *_NOT_PASSED, *_PROXIED})
+        self._headers = re.compile(
+            rb"\r\n(%s):[ \t]*([^\r\n]*)" % b"|".join(re.escape(name) for name in names)
+        )
+
+    def scope(self, head: bytes, root_path: str) -> Scope | None:
+        """The scope of a request head without its closing blank line, its `headers`
+        those read here (names lowercased); None for a head `_HEAD` does not match
+        (HTTP/1.0, obsolete line folding, a header line without a colon, ...)."""
+        whole = _HEAD.fullmatch(head)
+        if whole is None:
             return None
-        headers.append((name.lower(), value.strip(_SPACES)))
-    try:
-        path = unquote(raw_path.decode("ascii"))
-        method_name = method.decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    return {
-        "type": "http",
-        "method": method_name,
-        "path": root_path + path,
-        "raw_path": raw_path,
-        "root_path": root_path,
-        "query_string": query,
-        "headers": headers,
-    }
+        method, raw_path, lines = whole.groups()
+        raw_path, _, query = raw_path.partition(b"?")
+        headers = []
+        if lines:
+            low = lines.lower()  # (the same length: a match's span fits both)
+            for match in self._headers.finditer(low):
+                start, end = match.span(2)
+                headers.append((match[1], lines[start:end].rstrip(_SPACES)))
+        path = raw_path.decode("ascii")
+        return {
+            "type": "http",
+            "method": method.decode("ascii"),
+            "path": root_path + (unquote(path) if "%" in path else path),
+            "raw_path": raw_path,
+            "root_path": root_path,
+            "query_string": query,
+            "headers": headers,
+        }
+
+    def read(self, head: bytes, root_path: str) -> _Head | None:
+        """A request head (without its closing blank line) as the passthrough sends it
+        on; None for one it does not take (see the module's docstring)."""
+        scope = self.scope(head, root_path)
+        if scope is None or scope["method"] not in _METHODS:
+            return None
+        length = -1
+        said_keep_alive = proxied = False
+        for name, value in scope["headers"]:
+            if name in _PROXIED:
+                proxied = True
+            elif name in _NOT_PASSED:
+                if name != b"connection":
+                    return None
+                token = value.lower()
+                if token == b"keep-alive":  # what HTTP/1.1 means anyway; not passed on
+                    said_keep_alive = True
+                elif token != b"close":  # (the holder's reply says so too; both ends close)
+                    return None
+                continue
+            if name == b"content-length":
+                if not value.isdigit() or length >= 0:
+                    return None  # (a second one: httptools would refuse it)
+                length = int(value)
+        if said_keep_alive:
+            head = _without_keep_alive(head)
+        if root_path:  # the target as uvicorn gives it the router: `--root-path` in front
+            method, _, rest = head.partition(b" ")
+            head = b"%s %s%s" % (method, root_path.encode("ascii"), rest)
+        return _Head(scope, length, head, proxied)
+
+
+_KEEP_ALIVE_LINE = re.compile(rb"\r\nconnection:[ \t]*keep-alive[ \t]*(?=\r\n|$)", re.IGNORECASE)
 
 
 def _without_keep_alive(head: bytes) -> bytes:
     """A request head without its `connection: keep-alive` lines: hop-by-hop, so not
     forwarded (SPEC 4.5), as the copying path leaves them out too."""
-    kept = []
-    for line in head.split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        if name.lower() != b"connection" or value.strip(_SPACES).lower() != b"keep-alive":
-            kept.append(line)
-    return b"\r\n".join(kept)
+    return _KEEP_ALIVE_LINE.sub(b"", head)
 
 
 class _HeaderLines:
@@ -160,38 +203,6 @@ class _Head:
         self.sent = sent
         self.proxied = proxied
         """It names a proxy's caller (`_PROXIED`)."""
-
-
-def read_head(head: bytes, root_path: str) -> _Head | None:
-    """A request head (without its closing blank line) as the passthrough sends it on;
-    None for one it does not take (see the module's docstring)."""
-    scope = head_scope(head, root_path)
-    if scope is None or scope["method"] not in _METHODS:
-        return None
-    length = -1
-    said_keep_alive = proxied = False
-    for name, value in scope["headers"]:
-        if name in _PROXIED:
-            proxied = True
-        elif name in _NOT_PASSED:
-            if name != b"connection":
-                return None
-            token = value.lower()
-            if token == b"keep-alive":  # what HTTP/1.1 means anyway; not passed on
-                said_keep_alive = True
-            elif token != b"close":  # (the holder's reply says so too; both ends close)
-                return None
-            continue
-        if name == b"content-length":
-            if not value.isdigit() or length >= 0:
-                return None  # (a second one: httptools would refuse it)
-            length = int(value)
-    if said_keep_alive:
-        head = _without_keep_alive(head)
-    if root_path:  # the target as uvicorn gives it the router: `--root-path` in front
-        method, _, rest = head.partition(b" ")
-        head = b"%s %s%s" % (method, root_path.encode("ascii"), rest)
-    return _Head(scope, length, head, proxied)
 
 
 class _ProxyHeaders:
@@ -282,6 +293,7 @@ class Passthrough:
         self._paths: dict[WorkerId, str] = {}
         self.links = Links()
         self.handoffs = None if handoff_of is None else Handoffs(handoff_of)
+        self.heads = HeadReader(router.kind)
         self.closed = False
 
     def start(
@@ -298,7 +310,7 @@ class Passthrough:
         end = data.find(b"\r\n\r\n")
         if end < 0:
             return None
-        read = read_head(data[:end], front.root_path)
+        read = self.heads.read(data[:end], front.root_path)
         if read is None or len(data) - end - 4 != max(read.length, 0):
             return None  # a body still coming, or a second request behind this one
         limit = front.limit_concurrency

@@ -19,12 +19,24 @@ import itsdangerous
 from itsdangerous.exc import BadSignature
 from starlette.middleware.sessions import SessionMiddleware
 
+from tether.routing.hop import HOP_HEADER
 from tether.routing.types import SessionId, session_id_or_none
 
 TOKEN_HEADER = "x-tether-session-token"
 TOKEN_SALT = "tether.session-token"
 CLOSE_FOLLOWS_HEADER = "x-tether-close-follows"
 WORKER_HEADER = "x-tether-worker"
+COOKIE, LENGTH, WORKER, HOP, ID_HEADER, TOKEN, CLOSE_FOLLOWS = range(7)
+"""What a request header says to `sources.find`: its cookies, its body's length, the
+worker it names, that it carries a hop header (hop.py), and, of a kind's own, the ID, a
+signed token naming it, or the close-follows flag."""
+ANY_KIND_SLOTS: dict[bytes, int] = {
+    b"cookie": COOKIE,
+    b"content-length": LENGTH,
+    WORKER_HEADER.encode(): WORKER,
+    HOP_HEADER: HOP,
+}
+"""The headers `sources.find` reads whatever the kind (`SessionKind.header_slots`)."""
 DEFAULT_CLOSE_WINDOW_S = 300.0
 
 
@@ -132,6 +144,7 @@ class CookieCodec:
 
 
 ROUTES_REMEMBERED = 1024
+"""How many requests (method, path) a kind remembers the routes of (`SessionKind.route`)."""
 
 
 class Routes:
@@ -153,23 +166,26 @@ class Routes:
         self._method_re = {
             m: re.compile(f"{head}(?:{'|'.join(paths)})") for m, paths in self._methods.items()
         }
-        self._answers: dict[tuple[str, str], bool] = {}
-        """Requests asked about lately (each route is asked about on every request)."""
 
     def __contains__(self, request: tuple[str, str]) -> bool:
-        answer = self._answers.get(request)
-        if answer is None:
-            answer = self._matches(*request)
-            if len(self._answers) >= ROUTES_REMEMBERED:
-                self._answers.clear()
-            self._answers[request] = answer
-        return answer
-
-    def _matches(self, method: str, path: str) -> bool:
+        method, path = request
         if self._any_re is not None and self._any_re.fullmatch(path):
             return True
         pattern = self._method_re.get(method)
         return pattern is not None and pattern.fullmatch(path) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteFacts:
+    """Which of a kind's routes one request (method, path) is, read once per request."""
+
+    body: bool
+    """A seed or close route: its body is read for an ID."""
+    start: bool
+    close: bool
+    end: bool
+    stateless: bool
+    background: bool
 
 
 @dataclass(frozen=True)
@@ -220,14 +236,16 @@ class SessionKind:
         return replace(self, close_window_s=seconds)
 
     @cached_property
-    def header_names(self) -> tuple[bytes | None, bytes | None, bytes]:
-        """The ID header, the token header and the close-follows header, encoded as a
-        scope's header names are (read on every request)."""
-        return (
-            self.header.encode() if self.header else None,
-            self.token_header.encode() if self.token_header else None,
-            self.close_follows_header.encode(),
-        )
+    def header_slots(self) -> dict[bytes, int]:
+        """The request headers `sources.find` reads for this kind, by name as a scope
+        holds names, to what each says (read on every request)."""
+        slots: dict[bytes, int] = {}
+        if self.header:
+            slots[self.header.encode()] = ID_HEADER
+        if self.token_header:
+            slots[self.token_header.encode()] = TOKEN
+        slots[self.close_follows_header.encode()] = CLOSE_FOLLOWS
+        return {**slots, **ANY_KIND_SLOTS}  # (a name in both is read as the latter)
 
     @cached_property
     def path_pattern(self) -> re.Pattern[str] | None:
@@ -262,6 +280,28 @@ class SessionKind:
     @cached_property
     def background_routes(self) -> Routes:
         return Routes(self.background, self.prefix)
+
+    @cached_property
+    def _facts(self) -> dict[tuple[str, str], RouteFacts]:
+        return {}
+
+    def route(self, method: str, path: str) -> RouteFacts:
+        """Which of this kind's routes the request is (remembered: every request asks)."""
+        request = (method, path)
+        facts = self._facts.get(request)
+        if facts is None:
+            facts = RouteFacts(
+                body=request in self.body_routes,
+                start=request in self.start_routes,
+                close=request in self.close_routes,
+                end=request in self.end_routes,
+                stateless=request in self.stateless_routes,
+                background=request in self.background_routes,
+            )
+            if len(self._facts) >= ROUTES_REMEMBERED:
+                self._facts.clear()
+            self._facts[request] = facts
+        return facts
 
     @cached_property
     def serializer(self) -> itsdangerous.URLSafeSerializer | None:

@@ -18,11 +18,11 @@ import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether.routing.at_once import ran_at_once
-from tether.routing.claims import LATER, LEASE_LAPSED, WorkerClaims
+from tether.routing.claims import LEASE_LAPSED, WorkerClaims
 from tether.routing.errors import TetherError, send_error
 from tether.routing.forward import ClaimantGone, ClaimantUnavailable, Forwarder
 from tether.routing.hop import hop_value, strip_hop, take_hop
-from tether.routing.kinds import SessionKind
+from tether.routing.kinds import RouteFacts, SessionKind
 from tether.routing.lifetimes import Role
 from tether.routing.logs import access_line
 from tether.routing.mcp import send_jsonrpc_error
@@ -38,7 +38,14 @@ from tether.routing.sources import (
 )
 from tether.routing.tables import Tables
 from tether.routing.tracing import HopTraces
-from tether.routing.types import SessionId, WorkerId, new_session_id, session_id_or_none
+from tether.routing.types import (
+    LATER,
+    Later,
+    SessionId,
+    WorkerId,
+    new_session_id,
+    session_id_or_none,
+)
 
 log = structlog.get_logger("tether.router")
 
@@ -58,6 +65,12 @@ this router: what `find` made of that head, so that the router does not read it 
 
 class Admission(Protocol):
     """Who may reach the app now (a checkpoint closes admission; SPEC 5.3)."""
+
+    def admit(
+        self, session_id: SessionId | None, stateless: bool, background: bool
+    ) -> Callable[[], None] | Later | None:
+        """`enter` where it need not wait; LATER where it must."""
+        ...
 
     async def enter(
         self, session_id: SessionId | None, stateless: bool, background: bool
@@ -162,18 +175,21 @@ class Router:
                 return
             await self.app(scope, receive, send)
             return
-        if route_path(scope).startswith(CONTROL_PREFIX):
+        path = route_path(scope)
+        if path.startswith(CONTROL_PREFIX):
             await self._control(scope, receive, send)
             return
         forwarded = HANDED_KEY in scope
         if forwarded:
             self.stats.served_forwarded += 1
         if not self.access_log:
-            await self._route(scope, receive, send, forwarded=forwarded)
+            await self._route(scope, receive, send, forwarded, path)
         else:
-            await self._logged(scope, receive, send, forwarded=forwarded)
+            await self._logged(scope, receive, send, forwarded, path)
 
-    async def _logged(self, scope: Scope, receive: Receive, send: Send, forwarded: bool) -> None:
+    async def _logged(
+        self, scope: Scope, receive: Receive, send: Send, forwarded: bool, path: str
+    ) -> None:
         """`_route`, with the request's access log line once it ends."""
         started = time.perf_counter()
         status = 0
@@ -185,7 +201,7 @@ class Router:
             await send(message)
 
         try:
-            await self._route(scope, receive, logged_send, forwarded=forwarded)
+            await self._route(scope, receive, logged_send, forwarded, path)
         finally:
             self.log_request(scope["method"], scope["path"], status, scope.get(SCOPE_KEY),
                              time.perf_counter() - started)
@@ -211,7 +227,7 @@ class Router:
             return
         self.stats.served_forwarded += 1
         take_hop(scope)  # the caller as the receiving worker saw it
-        await self._route(scope, receive, send, forwarded=True)
+        await self._route(scope, receive, send, True, route_path(scope))
 
     def ended(self, session_id: SessionId) -> None:
         """The app ended a session under a route its kind does not name."""
@@ -224,15 +240,19 @@ class Router:
         else:
             await self.control(scope, receive, send)
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send, forwarded: bool) -> None:
+    async def _route(
+        self, scope: Scope, receive: Receive, send: Send, forwarded: bool, path: str
+    ) -> None:
+        """`path`: the one the app's routes match (`route_path`)."""
         kind = self.kind
         found: Found | None = scope.pop(FOUND_KEY, None)
         if found is None:
             found = find(kind, scope)
         if found.hop:
             strip_hop(scope)  # a client's forgery: only our forwarder may send one
+        facts = (kind or NO_KIND).route(scope["method"], path)
         body: bytes | None = None
-        if kind is not None and (scope["method"], route_path(scope)) in kind.body_routes:
+        if kind is not None and facts.body:
             try:
                 body = await read_body(receive, found.content_length)
             except TetherError as error:
@@ -257,9 +277,11 @@ class Router:
         scope[SCOPE_KEY] = session_id
         scope[WORKER_KEY] = self.worker
         scope[ROUTER_KEY] = self
-        where = await self.destination(session_id, found.worker, forwarded)
+        where = self.destination_now(session_id, found.worker, forwarded)
+        if where is LATER:
+            where = await self.destination(session_id, found.worker, forwarded)
         if where is None:
-            await self._serve(session_id, found, scope, receive, send, forwarded)
+            await self._serve(session_id, found, facts, scope, receive, send, forwarded)
         elif isinstance(where, TetherError):
             await self._refuse(send, where)
         else:
@@ -272,7 +294,23 @@ class Router:
         """Where a request or a WebSocket handshake goes (SPEC 4.2): None to serve it
         here, the live worker to forward it to, or the error that refuses it. The one
         place a routing decision is made."""
-        if session_id is not None and self.claims is not None and not self.claims.leased():
+        where = self.destination_now(session_id, named, forwarded)
+        if where is not LATER:
+            return where
+        assert session_id is not None
+        try:
+            owner = await self._locate(session_id)
+        except TetherError as error:
+            return error
+        return self._to_owner(session_id, owner)
+
+    def destination_now(
+        self, session_id: SessionId | None, named: str | None, forwarded: bool
+    ) -> WorkerId | TetherError | Later | None:
+        """`destination` where it is known without a lookup in the claim store (LATER
+        where it is not): a request of no session, or of one this worker holds."""
+        claims = self.claims
+        if session_id is not None and claims is not None and not claims.leased():
             return TetherError("cluster_unavailable", LEASE_LAPSED)  # forwarded or not
         if forwarded:
             return None
@@ -281,11 +319,9 @@ class Router:
                 return None
             target = self.tables.resolve(WorkerId(named))
             return target if target is not None else TetherError("worker_gone", f"worker {named}")
-        try:
-            owner = await self._locate(session_id)
-        except TetherError as error:
-            return error
-        return self._to_owner(session_id, owner)
+        if claims is None or claims.mine(session_id):
+            return None
+        return LATER
 
     def refusal(self, error: TetherError) -> list[Message]:
         """The ASGI messages that refuse a request with `error` (as `_refuse` sends them:
@@ -322,7 +358,7 @@ class Router:
         if kind is None or claims is None:
             return None
         path = route_path(scope)
-        if path.startswith(CONTROL_PREFIX) or (scope["method"], path) in kind.body_routes:
+        if path.startswith(CONTROL_PREFIX) or kind.route(scope["method"], path).body:
             return None
         found = scope[FOUND_KEY] = find(kind, scope)
         session_id = found.session_id
@@ -346,8 +382,6 @@ class Router:
         """Lookup order: this worker's claims, the claim store, the placed-session table."""
         if self.claims is None:
             return None
-        if self.claims.mine(session_id):
-            return self.worker  # in memory: no coroutine on the commonest path
         try:
             owner = await self.claims.lookup(session_id)
         except TetherError as error:
@@ -426,6 +460,7 @@ class Router:
         self,
         session_id: SessionId | None,
         found: Found,
+        facts: RouteFacts,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -433,22 +468,23 @@ class Router:
     ) -> None:
         """Serve here, claiming the session before the reply's first byte if it was used."""
         leave = None
-        if self.admission is not None:
-            kind = self.kind or NO_KIND
-            request = (scope["method"], route_path(scope))
+        admission = self.admission
+        if admission is not None:
             try:
-                leave = await self.admission.enter(
-                    session_id,
-                    stateless=request in kind.stateless_routes,
-                    background=request in kind.background_routes,
-                )
+                admitted = admission.admit(session_id, facts.stateless, facts.background)
+                if admitted is LATER:  # a checkpoint is open: it waits, or is refused
+                    leave = await admission.enter(
+                        session_id, stateless=facts.stateless, background=facts.background
+                    )
+                else:
+                    leave = admitted
             except TetherError as error:
                 await self._refuse(send, error)
                 return
         if not forwarded:
             self.stats.local += 1
         try:
-            await self._serve_admitted(session_id, found, scope, receive, send)
+            await self._serve_admitted(session_id, found, facts, scope, receive, send)
         finally:
             if leave is not None:
                 leave()
@@ -457,6 +493,7 @@ class Router:
         self,
         session_id: SessionId | None,
         found: Found,
+        facts: RouteFacts,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -468,22 +505,19 @@ class Router:
         minted = False
         if session_id is None:
             if not (kind.mints and kind.cookie is not None):
-                await self._serve_with_reply_header(scope, receive, send)
+                await self._serve_with_reply_header(facts, scope, receive, send)
                 return
             session_id = new_session_id()
             minted = True
-        request = (scope["method"], route_path(scope))
         role: Role = "other"
-        if request in kind.start_routes:
+        if facts.start:
             role = "start"
-        elif request in kind.end_routes and not (
-            found.close_follows and request not in kind.close_routes
-        ):
+        elif facts.end and not (found.close_follows and not facts.close):
             role = "end"
         claims = self.claims
         if claims is not None and not claims.mine(session_id):
             placed = self.tables.placed.get(session_id) == self.worker
-            if role == "start" or request in kind.close_routes or placed:
+            if role == "start" or facts.close or placed:
                 try:
                     owner = await claims.claim(session_id, fresh=minted)
                 except TetherError as error:  # the cluster's store is out of reach
@@ -510,13 +544,15 @@ class Router:
                     claims.end(session.rotated_id, "other", session.ok)
                     claims.renamed(session_id, session.rotated_id)
 
-    async def _serve_with_reply_header(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve_with_reply_header(
+        self, facts: RouteFacts, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         """A request with no session, for a kind whose app names sessions in its reply:
         in a reply header, or in the JSON body of a start route's reply."""
         kind = self.kind
         assert kind is not None
         field = kind.reply_field
-        if field is not None and (scope["method"], route_path(scope)) not in kind.start_routes:
+        if field is not None and not facts.start:
             field = None
         if (kind.reply_header is None and field is None) or self.claims is None:
             await self.app(scope, receive, send)
@@ -563,10 +599,15 @@ class _Served:
         self.role = role
         self.minted = minted
         self.ok = False
+        self.used = False
+        """The handler read or wrote the session (Starlette's `Session.accessed`)."""
         self.reply_id: SessionId | None = None
         self.body_id: SessionId | None = None
         """The ID the reply's JSON body names (`SessionKind.reply_field`)."""
+        self.rotated: SessionId | None = None
+        """The new ID the handler set in the session, seen at the reply's start."""
         self.rotated_id: SessionId | None = None
+        """`rotated`, once claimed here."""
         self.refused = False
 
     async def named_in_body(self, session_id: SessionId | None) -> None:
@@ -578,47 +619,71 @@ class _Served:
                 return
             if message["type"] == "http.response.start":
                 try:
-                    error = await self._on_start(scope, message)
+                    claims = self._read_start(scope, message)
+                    error = await self._claim_at_start(message) if claims else None
                 except TetherError as unclaimable:  # the cluster's store is out of reach
                     error = unclaimable
                 if error is not None:
                     self.refused = True
                     await self.router._refuse(send, error)
                     return
+                self._name_in_cookie(scope, message)
             await send(message)
 
         return wrapped
 
-    async def _on_start(self, scope: Scope, message: Message) -> TetherError | None:
+    def _read_start(self, scope: Scope, message: Message) -> bool:
+        """Read the reply's start and the session the handler left: whether anything is
+        to be claimed now (`_claim_at_start`)."""
         router = self.router
         kind = router.kind
         assert kind is not None
         status: int = message["status"]
         self.ok = 200 <= status < 400
-        session = scope.get("session")
-        used = bool(getattr(session, "accessed", False))
-        sid = self.session_id
         claims = router.claims
-        rotated = _rotated(kind, sid, session, message) if claims is not None else None
+        if claims is None:
+            self.used = bool(getattr(scope.get("session"), "accessed", False))
+            return False
+        session = scope.get("session")
+        self.used = used = bool(getattr(session, "accessed", False))
+        sid = self.session_id
+        self.rotated = rotated = _rotated(kind, sid, session, message)
+        if rotated is not None or kind.reply_header is not None or self.body_id is not None:
+            return True
         evidence = used or (sid is not None and kind.holder is not None and kind.holder.holds(sid))
+        return sid is not None and evidence and not claims.mine(sid)
+
+    async def _claim_at_start(self, message: Message) -> TetherError | None:
+        """Claim, before the reply's first byte, the session the request used, the ID the
+        handler rotated it to and the one the reply names; the error that refuses the
+        reply if another worker holds one of them."""
+        router = self.router
+        kind = router.kind
+        claims = router.claims
+        assert kind is not None
+        assert claims is not None
+        sid, rotated = self.session_id, self.rotated
+        evidence = self.used or (
+            sid is not None and kind.holder is not None and kind.holder.holds(sid)
+        )
         # A minted ID the handler replaced was never named by a cookie: nothing to claim.
         if rotated is not None and self.minted:
             evidence = False
-        if sid is not None and claims is not None and evidence and not claims.mine(sid):
+        if sid is not None and evidence and not claims.mine(sid):
             owner = await claims.claim(sid, fresh=self.minted)
             if owner != router.worker:
                 await _release(kind, sid)
                 if rotated is not None:
                     await _release(kind, rotated)
                 return _conflict(sid, owner)
-        if rotated is not None and claims is not None:
+        if rotated is not None:
             owner = await claims.claim(rotated, fresh=True)
             if owner != router.worker:
                 await _release(kind, rotated)
                 return _conflict(rotated, owner)
             self.rotated_id = rotated
             claims.begin(rotated)
-        if claims is not None and (kind.reply_header is not None or self.body_id is not None):
+        if kind.reply_header is not None or self.body_id is not None:
             reply_id = self.body_id
             if kind.reply_header is not None:
                 named = _header(message, kind.reply_header.encode())
@@ -631,19 +696,26 @@ class _Served:
             if reply_id is not None and reply_id != sid:
                 self.reply_id = reply_id
                 claims.begin(reply_id)
-        # A start's reply names its session; a minted ID is named once the handler used
-        # it; a failed request never hands out a minted ID.
-        wants_cookie = (self.role == "start" or (self.minted and used)) and (
-            self.ok or not self.minted
-        )
-        if sid is not None and kind.cookie is not None and wants_cookie:
-            prefix = kind.cookie.name.encode() + b"="
-            headers = message.setdefault("headers", [])
-            if not any(k == b"set-cookie" and v.startswith(prefix) for k, v in headers):
-                base = session if isinstance(session, dict) and session else {}
-                cookie = {**base, kind.cookie_key: sid}
-                message["headers"] = [*headers, (b"set-cookie", kind.cookie.set_cookie(cookie))]
         return None
+
+    def _name_in_cookie(self, scope: Scope, message: Message) -> None:
+        """A start's reply names its session; a minted ID is named once the handler used
+        it; a failed request never hands out a minted ID."""
+        kind = self.router.kind
+        assert kind is not None
+        sid = self.session_id
+        if sid is None or kind.cookie is None:
+            return
+        if not ((self.role == "start" or (self.minted and self.used))
+                and (self.ok or not self.minted)):
+            return
+        prefix = kind.cookie.name.encode() + b"="
+        headers = message.setdefault("headers", [])
+        if not any(k == b"set-cookie" and v.startswith(prefix) for k, v in headers):
+            session = scope.get("session")
+            base = session if isinstance(session, dict) and session else {}
+            cookie = {**base, kind.cookie_key: sid}
+            message["headers"] = [*headers, (b"set-cookie", kind.cookie.set_cookie(cookie))]
 
 
 def _rotated(

@@ -16,8 +16,16 @@ from starlette.requests import cookie_parser
 from starlette.types import Message, Receive, Scope
 
 from tether.routing.errors import TetherError
-from tether.routing.hop import HOP_HEADER
-from tether.routing.kinds import WORKER_HEADER, SessionKind
+from tether.routing.kinds import (
+    ANY_KIND_SLOTS,
+    COOKIE,
+    HOP,
+    ID_HEADER,
+    LENGTH,
+    TOKEN,
+    WORKER,
+    SessionKind,
+)
 from tether.routing.types import SessionId, session_id_or_none
 
 MAX_BODY = 64 * 1024 * 1024
@@ -42,26 +50,29 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
     found = Found()
     header_id = token_id = None
     cookie_header = None
-    kind_header, token_header, follows_header = (
-        kind.header_names if kind is not None else (None, None, None)
-    )
+    slots = kind.header_slots if kind is not None else ANY_KIND_SLOTS
     for name, value in scope["headers"]:
-        if name == b"cookie":
+        slot = slots.get(name)
+        if slot is None:
+            continue
+        if slot == COOKIE:
             if cookie_header is None:
                 cookie_header = value
-        elif name == b"content-length":
+        elif slot == LENGTH:
             found.content_length = int(value) if value.isdigit() else None
-        elif name == WORKER_HEADER_BYTES:
+        elif slot == WORKER:
             found.worker = value.decode("latin-1")
-        elif name == HOP_HEADER:
+        elif slot == HOP:
             found.hop = True
         elif kind is None:
             continue
-        elif name == kind_header and header_id is None:
-            header_id = kind.read_header(value.decode("latin-1"))
-        elif name == token_header and token_id is None:
-            token_id = kind.read_token(value.decode("latin-1"))
-        elif name == follows_header:
+        elif slot == ID_HEADER:
+            if header_id is None:
+                header_id = kind.read_header(value.decode("latin-1"))
+        elif slot == TOKEN:
+            if token_id is None:
+                token_id = kind.read_token(value.decode("latin-1"))
+        else:
             found.close_follows = value.strip() == b"1"
     if kind is None:
         return found
@@ -84,9 +95,6 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
             path_id = session_id_or_none(match.group(match.lastindex or 0))
     found.session_id = header_id or query_id or found.cookie_id or token_id or path_id
     return found
-
-
-WORKER_HEADER_BYTES = WORKER_HEADER.encode()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 import re
 import secrets
 from typing import Any, NewType
 
 SessionId = NewType("SessionId", str)
 WorkerId = NewType("WorkerId", str)
+
+class Later(enum.Enum):
+    """What a call that answers without waiting says when only waiting could tell (the
+    claim store's `claimant_now`, admission's `admit`); its waiting form then answers."""
+
+    LATER = "later"
+
+
+LATER = Later.LATER
 
 MAX_SESSION_ID_LENGTH = 256
 _SESSION_ID = re.compile(r"[\x20-\x7e]{1,256}")

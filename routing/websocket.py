@@ -156,13 +156,10 @@ async def _serve(
     """Serve here: admission for the handshake, the claim at the accept, kept while open."""
     handshake = _Handshake(router, session_id)
     if router.admission is not None:
-        kind = router.kind or NO_KIND
-        request = ("GET", route_path(scope))
+        facts = (router.kind or NO_KIND).route("GET", route_path(scope))
         try:
             handshake.leave = await router.admission.enter(
-                session_id,
-                stateless=request in kind.stateless_routes,
-                background=request in kind.background_routes,
+                session_id, stateless=facts.stateless, background=facts.background
             )
         except TetherError as error:
             await refuse(router, scope, send, error)

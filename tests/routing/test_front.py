@@ -6,12 +6,17 @@ import asyncio
 
 import pytest
 
-from tether.routing.front import _ProxyHeaders, head_scope, read_head
+from tether.routing.front import HeadReader, _ProxyHeaders
+from tether.routing.kinds import SessionKind
+
+read_head = HeadReader(None).read
+head_scope = HeadReader(None).scope
 
 
-def test_a_plain_head_gives_method_paths_query_and_lowercased_headers() -> None:
+def test_a_plain_head_gives_method_paths_query_and_the_headers_routing_reads() -> None:
     scope = head_scope(
-        b"GET /a%20b/c?x=1&y=2 HTTP/1.1\r\nHost: tether\r\nCookie:  session=abc \r\nX-Y: z",
+        b"GET /a%20b/c?x=1&y=2 HTTP/1.1\r\nHost: tether\r\nCookie:  session=abc \r\nX-Y: z"
+        b"\r\nX-Forwarded-For: 10.0.0.1",
         "/api",
     )
     assert scope is not None
@@ -20,7 +25,23 @@ def test_a_plain_head_gives_method_paths_query_and_lowercased_headers() -> None:
     assert scope["raw_path"] == b"/a%20b/c"
     assert scope["root_path"] == "/api"
     assert scope["query_string"] == b"x=1&y=2"
-    assert scope["headers"] == [(b"host", b"tether"), (b"cookie", b"session=abc"), (b"x-y", b"z")]
+    assert scope["headers"] == [(b"cookie", b"session=abc"), (b"x-forwarded-for", b"10.0.0.1")]
+
+
+def test_a_kinds_own_headers_are_read_in_their_order_and_others_are_not() -> None:
+    scope = HeadReader(SessionKind(header="x-session")).scope(
+        b"GET / HTTP/1.1\r\nX-Session: a\r\nx-other: b\r\nx-tether-session-token: t\r\n"
+        b"x-session: c\r\nx-tether-close-follows: 1",
+        "",
+    )
+    assert scope is not None
+    assert scope["headers"] == [
+        (b"x-session", b"a"), (b"x-tether-session-token", b"t"), (b"x-session", b"c"),
+        (b"x-tether-close-follows", b"1"),
+    ]
+    assert HeadReader(None).scope(b"GET / HTTP/1.1\r\nX-Session: a", "") == {
+        **scope, "headers": []
+    }
 
 
 def test_heads_the_passthrough_does_not_read_give_none() -> None:
@@ -34,6 +55,8 @@ def test_heads_the_passthrough_does_not_read_give_none() -> None:
         b"GET / HTTP/1.1\r\nbad name : x",
         b"GET /\xff HTTP/1.1\r\nhost: t",
         b"GET  / HTTP/1.1\r\nhost: t",
+        b"GET / HTTP/1.1\r\nhost: t\nx: y",  # a bare line feed
+        b"get / HTTP/1.1\r\nhost: t",
     ):
         assert head_scope(head, "") is None, head
 

@@ -115,6 +115,11 @@ async def test_cookie_and_body_naming_two_sessions_counts_mismatch(cluster: Clus
 class Parked:
     """Admission while a checkpoint is open: every request is refused."""
 
+    def admit(
+        self, session_id: SessionId | None, stateless: bool, background: bool
+    ) -> Callable[[], None] | None:
+        raise TetherError("checkpoint_parked", "a checkpoint is open")
+
     async def enter(
         self, session_id: SessionId | None, stateless: bool, background: bool
     ) -> Callable[[], None] | None:
