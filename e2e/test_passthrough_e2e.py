@@ -219,6 +219,32 @@ async def test_requests_the_passthrough_cannot_take_are_forwarded_by_copying_and
     assert [r["worker_id"] for r in lines_logged] == [other] * 4, "once each, where received"
 
 
+async def test_a_head_httptools_refuses_is_answered_400_where_it_landed_and_closed(
+    serve: Serve,
+) -> None:
+    """The passthrough reads heads with the holder's own parser (front.py `HeadReader`):
+    one it refuses never leaves the worker that received it, which answers 400 and closes
+    the connection, as the holder would."""
+    server = serve(APP, 2)
+    cookie, holder, other, raw = await across(server, "refused")
+    lines = await workers(server)
+    direct = await raw_on(server, lines, holder)
+    try:
+        for connection in (raw, direct):
+            bad = get("/echo", cookie).replace(b"\r\n\r\n", b"\r\nbad name : x\r\n\r\n")
+            connection.write(bad)
+            async with asyncio.timeout(15):
+                head = await connection.reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 400 "), head
+                await connection.reader.read()  # the body, up to the end: a kept-alive
+                assert connection.reader.at_eof()  # connection would time out here
+    finally:
+        await raw.close()
+        await direct.close()
+    after = (await workers(server))[other]
+    assert (after["passed_through"], after["forwarded"]) == (0, 0)
+
+
 async def test_under_a_root_path_a_passed_through_request_sees_what_a_direct_one_sees(
     serve: Serve,
 ) -> None:

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
+import httptools
 import structlog
 import uvicorn
 from starlette.types import Message, Scope
@@ -87,58 +88,106 @@ _PROXIED = frozenset({b"x-forwarded-for", b"x-forwarded-proto"})
 """The proxy headers uvicorn's `ProxyHeadersMiddleware` reads to correct the caller."""
 
 
-_HEAD = re.compile(
-    rb"([A-Z]+) (/[!-~]*) HTTP/1\.1((?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*)*)"
-)
-"""An HTTP/1.1 request head the passthrough may read: an origin-form target of printable
-ASCII, and header lines that are each a token, a colon and a value (no line folding)."""
-
-
 class HeadReader:
-    """Reads request heads for one kind of session, as far as the passthrough needs them:
-    the parts of an ASGI scope a routing decision reads, picking out of the headers only
-    those `sources.find` reads for the kind and those the passthrough's own rules read."""
+    """Reads requests for one kind of session, as far as the passthrough needs them: the
+    parts of an ASGI scope a routing decision reads, keeping of the headers only those
+    `sources.find` reads for the kind and those the passthrough's own rules read.
+
+    The request is parsed by httptools, the parser the holder's uvicorn reads it with, so
+    the two read it alike: a request it refuses (a header line with no colon, a name with a
+    space in it, obsolete line folding) is left to this worker's uvicorn, which answers
+    400 as the holder would."""
 
     def __init__(self, kind: SessionKind | None) -> None:
         slots = kind.header_slots if kind is not None else ANY_KIND_SLOTS
-        names = sorted({*slots, *_NOT_PASSED, *_PROXIED})
-        self._headers = re.compile(
-            rb"\r\n(%s):[ \t]*([^\r\n]*)" % b"|".join(re.escape(name) for name in names)
-        )
+        self._wanted = frozenset({*slots, *_NOT_PASSED, *_PROXIED})
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._begun = 0
+        self._complete = False
+        self._known: dict[bytes, _Known] = {}
 
-    def scope(self, head: bytes, root_path: str) -> Scope | None:
-        """The scope of a request head without its closing blank line, its `headers`
-        those read here (names lowercased); None for a head `_HEAD` does not match
-        (HTTP/1.0, obsolete line folding, a header line without a colon, ...)."""
-        whole = _HEAD.fullmatch(head)
-        if whole is None:
+    def on_message_begin(self) -> None:
+        self._begun += 1
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in self._wanted:
+            self._headers.append((name, value))
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+
+    def scope(self, data: bytes, root_path: str) -> Scope | None:
+        """The scope of the HTTP/1.1 request `data` holds whole (head and body), its
+        `headers` those kept here (names lowercased); None for one the parser refuses or
+        does not see the end of, and for HTTP/1.0 or a target that is not a path."""
+        self._url, self._headers, self._begun, self._complete = b"", [], 0, False
+        parser = self._parser
+        try:
+            parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            self._parser = httptools.HttpRequestParser(self)
             return None
-        method, raw_path, lines = whole.groups()
-        raw_path, _, query = raw_path.partition(b"?")
-        headers = []
-        if lines:
-            low = lines.lower()  # (the same length: a match's span fits both)
-            for match in self._headers.finditer(low):
-                start, end = match.span(2)
-                headers.append((match[1], lines[start:end].rstrip(_SPACES)))
-        path = raw_path.decode("ascii")
+        if self._begun != 1 or not self._complete:  # a body still coming, or a second
+            self._parser = httptools.HttpRequestParser(self)  # request: left to uvicorn
+            return None
+        version = parser.get_http_version()
+        if version != "1.1" or any(name == b"connection" for name, _ in self._headers):
+            # It may close its connection, and the parser would refuse the next request.
+            self._parser = httptools.HttpRequestParser(self)
+        url = self._url
+        if version != "1.1" or not url.startswith(b"/"):
+            return None
+        raw_path, _, query = url.partition(b"?")
+        try:
+            path = raw_path.decode("ascii")
+        except UnicodeDecodeError:
+            return None
         return {
             "type": "http",
-            "method": method.decode("ascii"),
+            "method": parser.get_method().decode("ascii"),
             "path": root_path + (unquote(path) if "%" in path else path),
             "raw_path": raw_path,
             "root_path": root_path,
             "query_string": query,
-            "headers": headers,
+            "headers": self._headers,
         }
 
-    def read(self, head: bytes, root_path: str) -> _Head | None:
-        """A request head (without its closing blank line) as the passthrough sends it
-        on; None for one it does not take (see the module's docstring)."""
-        scope = self.scope(head, root_path)
+    def read(self, data: bytes, root_path: str) -> _Head | None:
+        """The one whole request `data` holds, its head (without its closing blank line)
+        as the passthrough sends it on; None for one it does not take (see the module's
+        docstring), and for data holding more than one request.
+
+        What a head reads as is remembered (a session's requests repeat one head): it
+        depends on the head's bytes alone, and a request whose body is not as long as
+        its head declares is parsed whole again."""
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        head = data[:end]
+        known = self._known.get(head)
+        if (
+            known is not None and known.root_path == root_path
+            and len(data) - end - 4 == known.length
+        ):
+            return _Head(known.scope(), data[end + 4 :], known.sent, known.proxied)
+        read = self._read(data, end, root_path)
+        if read is not None:
+            if len(self._known) >= HEADS_REMEMBERED:
+                self._known.clear()
+            self._known[head] = _Known(read, root_path, len(data) - end - 4)
+        return read
+
+    def _read(self, data: bytes, end: int, root_path: str) -> _Head | None:
+        scope = self.scope(data, root_path)
         if scope is None or scope["method"] not in _METHODS:
             return None
-        length = -1
+        head = data[:end]
         said_keep_alive = proxied = False
         for name, value in scope["headers"]:
             if name in _PROXIED:
@@ -146,22 +195,39 @@ class HeadReader:
             elif name in _NOT_PASSED:
                 if name != b"connection":
                     return None
-                token = value.lower()
+                token = value.strip(_SPACES).lower()
                 if token == b"keep-alive":  # what HTTP/1.1 means anyway; not passed on
                     said_keep_alive = True
                 elif token != b"close":  # (the holder's reply says so too; both ends close)
                     return None
-                continue
-            if name == b"content-length":
-                if not value.isdigit() or length >= 0:
-                    return None  # (a second one: httptools would refuse it)
-                length = int(value)
         if said_keep_alive:
             head = _without_keep_alive(head)
         if root_path:  # the target as uvicorn gives it the router: `--root-path` in front
             method, _, rest = head.partition(b" ")
             head = b"%s %s%s" % (method, root_path.encode("ascii"), rest)
-        return _Head(scope, length, head, proxied)
+        return _Head(scope, data[end + 4 :], head, proxied)
+
+
+HEADS_REMEMBERED = 4096
+"""How many request heads a `HeadReader` remembers the reading of."""
+
+
+class _Known:
+    """What a head read as, for its next request: the scope's parts a routing decision
+    reads (not changed by it: each request gets a scope of its own), what is sent on,
+    and its body's length."""
+
+    __slots__ = ("length", "parts", "proxied", "root_path", "sent")
+
+    def __init__(self, read: _Head, root_path: str, length: int) -> None:
+        self.parts = {**read.scope, "headers": tuple(read.scope["headers"])}
+        self.sent = read.sent
+        self.proxied = read.proxied
+        self.root_path = root_path
+        self.length = length
+
+    def scope(self) -> Scope:
+        return dict(self.parts)
 
 
 _KEEP_ALIVE_LINE = re.compile(rb"\r\nconnection:[ \t]*keep-alive[ \t]*(?=\r\n|$)", re.IGNORECASE)
@@ -192,14 +258,14 @@ _header_lines = _HeaderLines()
 
 
 class _Head:
-    """What the passthrough reads of a request head it may take: the scope a routing
-    decision reads, the body's declared length (-1: none), and the head to send on."""
+    """What the passthrough reads of a request it may take: the scope a routing decision
+    reads, the head to send on and the body after it."""
 
-    __slots__ = ("length", "proxied", "scope", "sent")
+    __slots__ = ("body", "proxied", "scope", "sent")
 
-    def __init__(self, scope: Scope, length: int, sent: bytes, proxied: bool) -> None:
+    def __init__(self, scope: Scope, body: bytes, sent: bytes, proxied: bool) -> None:
         self.scope = scope
-        self.length = length
+        self.body = body
         self.sent = sent
         self.proxied = proxied
         """It names a proxy's caller (`_PROXIED`)."""
@@ -307,12 +373,9 @@ class Passthrough:
         started = time.perf_counter()
         if len(data) > PASSTHROUGH_MAX:
             return None
-        end = data.find(b"\r\n\r\n")
-        if end < 0:
+        read = self.heads.read(data, front.root_path)
+        if read is None:
             return None
-        read = self.heads.read(data[:end], front.root_path)
-        if read is None or len(data) - end - 4 != max(read.length, 0):
-            return None  # a body still coming, or a second request behind this one
         limit = front.limit_concurrency
         if limit is not None and (len(front.connections) >= limit or len(front.tasks) >= limit):
             return None  # uvicorn's protocol answers it 503
@@ -337,7 +400,7 @@ class Passthrough:
         link = self.links.get(path)
         if link is None:
             return None
-        request = b"%s\r\n%s: %s\r\n\r\n%s" % (read.sent, HOP_HEADER, hop, data[end + 4 :])
+        request = b"%s\r\n%s: %s\r\n\r\n%s" % (read.sent, HOP_HEADER, hop, read.body)
         spliced = _Spliced(front, link, data, scope, target, started)
         if not link.send(request, spliced):
             return None

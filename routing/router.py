@@ -211,7 +211,7 @@ class Router:
     ) -> None:
         """The one access log line of a request, written by the worker that received it
         (for one the passthrough sent, once its reply ended: front.py)."""
-        access_line(method, path, status, session_id, round(seconds * 1000, 3))
+        access_line(method, path, status, session_id, seconds)
 
     async def serve_forwarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The private entry: requests another worker forwarded here; never forwarded again."""

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from tether.routing.front import HeadReader, _ProxyHeaders
 from tether.routing.kinds import SessionKind
 
-read_head = HeadReader(None).read
-head_scope = HeadReader(None).scope
+
+def read_head(head: bytes, root_path: str) -> Any:
+    """The passthrough's reading of a request of `head` (no closing blank line)."""
+    return HeadReader(None).read(head + b"\r\n\r\n", root_path)
+
+
+def head_scope(head: bytes, root_path: str) -> Any:
+    return HeadReader(None).scope(head + b"\r\n\r\n", root_path)
 
 
 def test_a_plain_head_gives_method_paths_query_and_the_headers_routing_reads() -> None:
@@ -25,13 +32,14 @@ def test_a_plain_head_gives_method_paths_query_and_the_headers_routing_reads() -
     assert scope["raw_path"] == b"/a%20b/c"
     assert scope["root_path"] == "/api"
     assert scope["query_string"] == b"x=1&y=2"
-    assert scope["headers"] == [(b"cookie", b"session=abc"), (b"x-forwarded-for", b"10.0.0.1")]
+    # Values as httptools gives them, and so the holder's uvicorn: leading blanks gone.
+    assert scope["headers"] == [(b"cookie", b"session=abc "), (b"x-forwarded-for", b"10.0.0.1")]
 
 
 def test_a_kinds_own_headers_are_read_in_their_order_and_others_are_not() -> None:
     scope = HeadReader(SessionKind(header="x-session")).scope(
         b"GET / HTTP/1.1\r\nX-Session: a\r\nx-other: b\r\nx-tether-session-token: t\r\n"
-        b"x-session: c\r\nx-tether-close-follows: 1",
+        b"x-session: c\r\nx-tether-close-follows: 1\r\n\r\n",
         "",
     )
     assert scope is not None
@@ -39,7 +47,7 @@ def test_a_kinds_own_headers_are_read_in_their_order_and_others_are_not() -> Non
         (b"x-session", b"a"), (b"x-tether-session-token", b"t"), (b"x-session", b"c"),
         (b"x-tether-close-follows", b"1"),
     ]
-    assert HeadReader(None).scope(b"GET / HTTP/1.1\r\nX-Session: a", "") == {
+    assert HeadReader(None).scope(b"GET / HTTP/1.1\r\nX-Session: a\r\n\r\n", "") == {
         **scope, "headers": []
     }
 
@@ -51,12 +59,13 @@ def test_heads_the_passthrough_does_not_read_give_none() -> None:
         b"GET http://example.com/ HTTP/1.1\r\nhost: t",  # absolute form
         b"OPTIONS * HTTP/1.1\r\nhost: t",
         b"GET / HTTP/1.1\r\nhost: t\r\n folded",  # obsolete line folding
+        b"GET / HTTP/1.1\r\nhost: t\r\n\tfolded",
         b"GET / HTTP/1.1\r\nno colon here",
         b"GET / HTTP/1.1\r\nbad name : x",
         b"GET /\xff HTTP/1.1\r\nhost: t",
-        b"GET  / HTTP/1.1\r\nhost: t",
         b"GET / HTTP/1.1\r\nhost: t\nx: y",  # a bare line feed
-        b"get / HTTP/1.1\r\nhost: t",
+        b"GET / HTTP/1.1\r\nhost: t\rx: y",  # a bare carriage return
+        b"GET / HTTP/1.1\r\ncookie: a\n\r\nx: y",
     ):
         assert head_scope(head, "") is None, head
 
@@ -67,19 +76,21 @@ def test_a_head_sent_on_loses_connection_keep_alive_and_gains_the_root_path() ->
     )
     assert read is not None
     assert read.sent == b"GET /api/count HTTP/1.1\r\nhost: t\r\ncookie: s=1"
-    assert read.length == -1
+    assert read.body == b""
     assert read.scope["path"] == "/api/count"
 
 
-def test_a_head_keeps_connection_close_and_reads_its_body_length() -> None:
+def test_a_head_keeps_connection_close_and_its_body_is_read_whole() -> None:
     head = b"POST /x HTTP/1.1\r\nconnection: close\r\ncontent-length: 12"
-    read = read_head(head, "")
-    assert read is not None and read.sent == head and read.length == 12
+    read = HeadReader(None).read(head + b"\r\n\r\n" + b"twelve bytes", "")
+    assert read is not None and read.sent == head and read.body == b"twelve bytes"
+    assert read_head(head, "") is None, "its body is still coming"
 
 
 def test_heads_the_passthrough_leaves_to_the_router_read_as_none() -> None:
     for head in (
         b"HEAD / HTTP/1.1\r\nhost: t",
+        b"get / HTTP/1.1\r\nhost: t",
         b"GET / HTTP/1.1\r\nconnection: upgrade\r\nupgrade: websocket",
         b"GET / HTTP/1.1\r\nconnection: keep-alive, x-private",
         b"POST / HTTP/1.1\r\ntransfer-encoding: chunked",
@@ -145,3 +156,44 @@ def test_a_proxy_middleware_that_would_wait_tells_no_caller_and_is_closed() -> N
     proxy._middleware = waits  # type: ignore[assignment]
     assert proxy.caller({"type": "http", "client": ("127.0.0.1", 1), "headers": []}) is None
     assert finished == [True], "the waiting step was closed, not left pending"
+
+
+def test_a_reader_reads_again_after_a_refused_partial_or_doubled_request() -> None:
+    reader = HeadReader(None)
+    good = b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n"
+    for bad in (
+        b"GET / HTTP/1.1\r\nbad name : x\r\n\r\n",
+        b"POST / HTTP/1.1\r\ncontent-length: 5\r\n\r\nab",  # its body is still coming
+        good + good,  # pipelined
+        good + good[:10],
+        b"GET / HTTP/1.1\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\n",
+        b"GET / HTTP/1.0\r\n\r\n",  # no keep-alive: the parser takes nothing after it
+    ):
+        assert reader.read(bad, "") is None, bad
+        read = reader.read(good, "")
+        assert read is not None, bad
+        assert (read.scope["path"], read.sent) == ("/a", good[:-4])
+
+
+def test_a_head_read_again_reads_the_same_and_its_body_must_still_be_whole() -> None:
+    reader = HeadReader(None)
+    head = b"POST /x?y=1 HTTP/1.1\r\nconnection: keep-alive\r\ncookie: s=1\r\ncontent-length: 3"
+    first = reader.read(head + b"\r\n\r\nabc", "/r")
+    again = reader.read(head + b"\r\n\r\nxyz", "/r")
+    assert first is not None and again is not None
+    assert again.scope is not first.scope, "a scope of its own"
+    assert (again.scope["path"], list(again.scope["headers"]), again.sent, again.body) == (
+        first.scope["path"], first.scope["headers"], first.sent, b"xyz"
+    )
+    assert reader.read(head + b"\r\n\r\nab", "/r") is None, "a body still coming"
+    assert reader.read(head + b"\r\n\r\nabc" + b"GET / HTTP/1.1\r\n\r\n", "/r") is None
+    other = reader.read(head + b"\r\n\r\nabc", "")
+    assert other is not None and other.scope["path"] == "/x", "another root path"
+
+
+def test_a_request_that_closes_its_connection_is_read_and_so_is_the_next() -> None:
+    reader = HeadReader(None)
+    closing = reader.read(b"GET /c HTTP/1.1\r\nconnection: close\r\n\r\n", "")
+    assert closing is not None and closing.sent == b"GET /c HTTP/1.1\r\nconnection: close"
+    after = reader.read(b"GET /d HTTP/1.1\r\nhost: t\r\n\r\n", "")
+    assert after is not None and after.scope["path"] == "/d"

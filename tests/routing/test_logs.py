@@ -16,9 +16,9 @@ LINES = """
     from tether.routing import logs
     logs.configure_logging({fmt!r}, {level!r}, worker_id="w-7")
     {bind}
-    logs.access_line("GET", '/items/"quoted"\\u00e9', 201, "s-1", 0.25)
-    logs._structlog_access_line("GET", '/items/"quoted"\\u00e9', 201, "s-1", 0.25)
-    logs.access_line("POST", "/seed", 503, None, 1.5)
+    logs.access_line("GET", '/items/"quoted"\\u00e9', 201, "s-1", 0.00025)
+    logs._structlog_access_line("GET", '/items/"quoted"\\u00e9', 201, "s-1", 250)
+    logs.access_line("POST", "/seed", 503, None, 0.0015)
 """
 
 
@@ -71,3 +71,10 @@ def test_the_console_access_line_goes_through_structlog() -> None:
     fast, chained, _ = lines("console")
     assert "request" in fast and "/items/" in fast and "w-7" in fast
     assert fast.split(" ", 1)[1] == chained.split(" ", 1)[1], "all but the time alike"
+
+
+def test_ms_is_written_as_structlogs_json_writes_the_float() -> None:
+    from tether.routing.logs import _ms
+
+    samples = [*range(0, 20_000), *range(10**6, 10**6 + 3000), 10**9 + 1, 123_456_789_012, 10**15]
+    assert [_ms(m) for m in samples] == [repr(m / 1000) for m in samples]
