@@ -63,7 +63,7 @@ from tether.routing.handoff import Handoffs
 from tether.routing.hop import HOP_HEADER, hop_value
 from tether.routing.kinds import ANY_KIND_SLOTS, SessionKind
 from tether.routing.router import FOUND_KEY, HANDED_KEY, SCOPE_KEY, Router, session_gone
-from tether.routing.sources import Found
+from tether.routing.sources import Found, find
 from tether.routing.splice import Link, Links
 from tether.routing.types import WorkerId
 from tether.routing.writes import JoinedWrites
@@ -99,6 +99,7 @@ class HeadReader:
     400 as the holder would."""
 
     def __init__(self, kind: SessionKind | None) -> None:
+        self._kind = kind
         slots = kind.header_slots if kind is not None else ANY_KIND_SLOTS
         self._wanted = frozenset({*slots, *_NOT_PASSED, *_PROXIED})
         self._parser = httptools.HttpRequestParser(self)
@@ -163,9 +164,11 @@ class HeadReader:
         as the passthrough sends it on; None for one it does not take (see the module's
         docstring), and for data holding more than one request.
 
-        What a head reads as is remembered (a session's requests repeat one head): it
-        depends on the head's bytes alone, and a request whose body is not as long as
-        its head declares is parsed whole again."""
+        The scope carries what `find` made of it (`FOUND_KEY`). What a head reads as is
+        remembered (a session's requests repeat one head): it depends on the head's bytes
+        alone, but for a cookie's signature check, which is made again as often as
+        `CookieCodec.read` says; a request whose body is not as long as its head
+        declares is parsed whole again."""
         end = data.find(b"\r\n\r\n")
         if end < 0:
             return None
@@ -175,12 +178,18 @@ class HeadReader:
             known is not None and known.root_path == root_path
             and len(data) - end - 4 == known.length
         ):
-            return _Head(known.scope(), data[end + 4 :], known.sent, known.proxied)
+            scope = known.scope()
+            if known.found.until <= time.monotonic():
+                known.found = find(self._kind, scope)
+            scope[FOUND_KEY] = known.found.copy()
+            return _Head(scope, data[end + 4 :], known.sent, known.proxied)
         read = self._read(data, end, root_path)
         if read is not None:
             if len(self._known) >= HEADS_REMEMBERED:
                 self._known.clear()
-            self._known[head] = _Known(read, root_path, len(data) - end - 4)
+            found = find(self._kind, read.scope)
+            self._known[head] = _Known(read, root_path, len(data) - end - 4, found)
+            read.scope[FOUND_KEY] = found.copy()
         return read
 
     def _read(self, data: bytes, end: int, root_path: str) -> _Head | None:
@@ -214,13 +223,15 @@ HEADS_REMEMBERED = 4096
 
 class _Known:
     """What a head read as, for its next request: the scope's parts a routing decision
-    reads (not changed by it: each request gets a scope of its own), what is sent on,
-    and its body's length."""
+    reads (not changed by it: each request gets a scope of its own), what `find` read of
+    them, what is sent on, and its body's length."""
 
-    __slots__ = ("length", "parts", "proxied", "root_path", "sent")
+    __slots__ = ("found", "length", "parts", "proxied", "root_path", "sent")
 
-    def __init__(self, read: _Head, root_path: str, length: int) -> None:
+    def __init__(self, read: _Head, root_path: str, length: int, found: Found) -> None:
         self.parts = {**read.scope, "headers": tuple(read.scope["headers"])}
+        self.found = found
+        """What `find` read of it, read again once it no longer holds (`Found.until`)."""
         self.sent = read.sent
         self.proxied = read.proxied
         self.root_path = root_path

@@ -76,32 +76,37 @@ class CookieCodec:
         return {}
 
     def decode(self, value: str) -> dict[str, Any] | None:
-        """The session in a cookie value, or None where `SessionMiddleware` would reject it.
+        """The session in a cookie value, or None where `SessionMiddleware` would reject it."""
+        return self.read(value)[0]
+
+    def read(self, value: str) -> tuple[dict[str, Any] | None, float]:
+        """`decode`, and until when (`time.monotonic`) that answer holds.
 
         A value that verified is remembered for `VERIFIED_S` (every request of a session
         names it, and the signature check is most of a routing decision's cost), and
-        never past the cookie's own `max_age`."""
+        never past the cookie's own `max_age`; one that did not is read again after
+        `VERIFIED_S` too."""
         now = time.monotonic()
         verified = self._verified
         known = verified.get(value)
         if known is not None and known[0] > now:
-            return dict(known[1])
+            return dict(known[1]), known[0]
         try:
             data, signed_at = self.signer.unsign(
                 value.encode("utf-8"), max_age=self.max_age, return_timestamp=True
             )
             session = json.loads(b64decode(data))
         except (BadSignature, ValueError, UnicodeError):
-            return None
+            return None, now + VERIFIED_S
         if not isinstance(session, dict):
-            return None
+            return None, now + VERIFIED_S
         if len(verified) >= VERIFIED_MAX:
             verified.clear()
         keep = VERIFIED_S
         if self.max_age is not None:  # never past the cookie's own expiry
             keep = min(keep, signed_at.timestamp() + self.max_age - time.time())
         verified[value] = (now + keep, session)
-        return dict(session)
+        return dict(session), now + keep
 
     def encode(self, session: dict[str, Any]) -> str:
         """A cookie value `SessionMiddleware` accepts, holding `session`."""

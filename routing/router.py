@@ -360,7 +360,9 @@ class Router:
         path = route_path(scope)
         if path.startswith(CONTROL_PREFIX) or kind.route(scope["method"], path).body:
             return None
-        found = scope[FOUND_KEY] = find(kind, scope)
+        found: Found | None = scope.get(FOUND_KEY)
+        if found is None:
+            found = scope[FOUND_KEY] = find(kind, scope)
         session_id = found.session_id
         if session_id is None or found.hop or claims.mine(session_id) or not claims.leased():
             return None

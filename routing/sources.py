@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
@@ -43,6 +44,16 @@ class Found:
     content_length: int | None = None
     hop: bool = False
     """The request carries a hop header (on the public port, a client's forgery)."""
+    until: float = math.inf
+    """Until when (`time.monotonic`) this reading of the request holds: its cookie's
+    signature check is remembered only so long (`CookieCodec.read`)."""
+
+    def copy(self) -> Found:
+        """Another reading of the same head (its `cookie_session` shared: read only)."""
+        return Found(
+            self.session_id, self.cookie_session, self.cookie_id, self.worker,
+            self.close_follows, self.content_length, self.hop, self.until,
+        )
 
 
 def find(kind: SessionKind | None, scope: Scope) -> Found:
@@ -79,7 +90,7 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
     if cookie_header is not None and kind.cookie is not None:
         value = _cookie_value(cookie_header, kind.cookie.name)
         if value is not None:
-            found.cookie_session = kind.cookie.decode(value)
+            found.cookie_session, found.until = kind.cookie.read(value)
             if found.cookie_session is not None:
                 found.cookie_id = session_id_or_none(found.cookie_session.get(kind.cookie_key))
     query_id = None

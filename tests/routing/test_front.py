@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 
 from tether.routing.front import HeadReader, _ProxyHeaders
-from tether.routing.kinds import SessionKind
+from tether.routing.kinds import CookieCodec, SessionKind
+from tether.routing.router import FOUND_KEY
 
 
 def read_head(head: bytes, root_path: str) -> Any:
@@ -197,3 +199,18 @@ def test_a_request_that_closes_its_connection_is_read_and_so_is_the_next() -> No
     assert closing is not None and closing.sent == b"GET /c HTTP/1.1\r\nconnection: close"
     after = reader.read(b"GET /d HTTP/1.1\r\nhost: t\r\n\r\n", "")
     assert after is not None and after.scope["path"] == "/d"
+
+
+def test_a_remembered_heads_cookie_is_checked_again_and_stops_naming_it_once_expired() -> None:
+    kind = SessionKind(cookie=CookieCodec(secret="s3cret", max_age=1))
+    assert kind.cookie is not None
+    reader = HeadReader(kind)
+    value = kind.cookie.encode({"session_id": "abc"})
+    data = f"GET /x HTTP/1.1\r\ncookie: session={value}\r\n\r\n".encode()
+    first, again = reader.read(data, ""), reader.read(data, "")
+    assert first is not None and again is not None
+    assert first.scope[FOUND_KEY].session_id == again.scope[FOUND_KEY].session_id == "abc"
+    assert again.scope[FOUND_KEY] is not first.scope[FOUND_KEY], "a reading of its own"
+    time.sleep(2.1)  # past the cookie's max_age (whole seconds)
+    late = reader.read(data, "")
+    assert late is not None and late.scope[FOUND_KEY].session_id is None

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+import tether.routing.front as front_module
 import tether.routing.router as router_module
 from tests.routing.apps import session_app
 from tests.routing.conftest import Cluster, Node
@@ -71,6 +72,7 @@ async def test_a_request_the_passthrough_leaves_to_this_worker_has_its_head_read
         return find(kind, scope)
 
     monkeypatch.setattr(router_module, "find", counted)
+    monkeypatch.setattr(front_module, "find", counted)
     seen, _ = await whoami(b, cookies)
 
     assert seen["worker"] == b.id
