@@ -6,8 +6,10 @@ When its head shows another live worker of this host holds its session (the rout
 `passthrough_target`) and the request is a plain one, its bytes go to that worker's
 private socket as they came, with the hop header (hop.py) added, and the reply's bytes
 come back as they came, with this server's `date` and `server` headers added; the reply
-is parsed only to see where it ends. No ASGI scope, task or message is made for it here,
-and the holder writes its access line (the hop header says so, hop.py).
+is parsed only to see where it ends. No ASGI scope, task or message is made for it here;
+this worker writes its access line once the reply has ended (SPEC 4.5). The request is
+read by `HeadReader` with httptools, the holder's own parser, and what each head read as
+is remembered.
 
 Everything else goes to uvicorn's protocol and the router as before, which forwards by
 copying what it must (forward.py): a request with no session, or this worker's, or

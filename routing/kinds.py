@@ -77,10 +77,12 @@ class CookieCodec:
 
     def decode(self, value: str) -> dict[str, Any] | None:
         """The session in a cookie value, or None where `SessionMiddleware` would reject it."""
-        return self.read(value)[0]
+        session = self.read(value)[0]
+        return None if session is None else dict(session)
 
     def read(self, value: str) -> tuple[dict[str, Any] | None, float]:
-        """`decode`, and until when (`time.monotonic`) that answer holds.
+        """`decode` (the session it gives is shared: read it only), and until when
+        (`time.monotonic`) that answer holds.
 
         A value that verified is remembered for `VERIFIED_S` (every request of a session
         names it, and the signature check is most of a routing decision's cost), and
@@ -90,7 +92,7 @@ class CookieCodec:
         verified = self._verified
         known = verified.get(value)
         if known is not None and known[0] > now:
-            return dict(known[1]), known[0]
+            return known[1], known[0]
         try:
             data, signed_at = self.signer.unsign(
                 value.encode("utf-8"), max_age=self.max_age, return_timestamp=True
@@ -106,7 +108,7 @@ class CookieCodec:
         if self.max_age is not None:  # never past the cookie's own expiry
             keep = min(keep, signed_at.timestamp() + self.max_age - time.time())
         verified[value] = (now + keep, session)
-        return dict(session), now + keep
+        return session, now + keep
 
     def encode(self, session: dict[str, Any]) -> str:
         """A cookie value `SessionMiddleware` accepts, holding `session`."""

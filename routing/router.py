@@ -593,6 +593,19 @@ class _Served:
     """One request served here: claims its session at the reply's first byte if used, and
     the new ID if the handler rotated it."""
 
+    # What a request has not changed yet (set here: one is made for every request).
+    ok = False
+    used = False
+    """The handler read or wrote the session (Starlette's `Session.accessed`)."""
+    reply_id: SessionId | None = None
+    body_id: SessionId | None = None
+    """The ID the reply's JSON body names (`SessionKind.reply_field`)."""
+    rotated: SessionId | None = None
+    """The new ID the handler set in the session, seen at the reply's start."""
+    rotated_id: SessionId | None = None
+    """`rotated`, once claimed here."""
+    refused = False
+
     def __init__(
         self, router: Router, session_id: SessionId | None, role: Role, minted: bool
     ) -> None:
@@ -600,17 +613,6 @@ class _Served:
         self.session_id = session_id
         self.role = role
         self.minted = minted
-        self.ok = False
-        self.used = False
-        """The handler read or wrote the session (Starlette's `Session.accessed`)."""
-        self.reply_id: SessionId | None = None
-        self.body_id: SessionId | None = None
-        """The ID the reply's JSON body names (`SessionKind.reply_field`)."""
-        self.rotated: SessionId | None = None
-        """The new ID the handler set in the session, seen at the reply's start."""
-        self.rotated_id: SessionId | None = None
-        """`rotated`, once claimed here."""
-        self.refused = False
 
     async def named_in_body(self, session_id: SessionId | None) -> None:
         self.body_id = session_id

@@ -38,6 +38,7 @@ class Found:
 
     session_id: SessionId | None = None
     cookie_session: dict[str, Any] | None = None
+    """The session its cookie holds (shared with `CookieCodec`'s memory: read only)."""
     cookie_id: SessionId | None = None
     worker: str | None = None
     close_follows: bool = False
