@@ -110,6 +110,7 @@ class HeadReader:
         self._begun = 0
         self._complete = False
         self._known: dict[bytes, _Known] = {}
+        self._known_bytes = 0
 
     def on_message_begin(self) -> None:
         self._begun += 1
@@ -187,8 +188,10 @@ class HeadReader:
             return _Head(scope, data[end + 4 :], known.sent, known.proxied)
         read = self._read(data, end, root_path)
         if read is not None:
-            if len(self._known) >= HEADS_REMEMBERED:
+            self._known_bytes += len(head)
+            if len(self._known) >= HEADS_REMEMBERED or self._known_bytes > HEAD_BYTES_REMEMBERED:
                 self._known.clear()
+                self._known_bytes = len(head)
             found = find(self._kind, read.scope)
             self._known[head] = _Known(read, root_path, len(data) - end - 4, found)
             read.scope[FOUND_KEY] = found.copy()
@@ -220,7 +223,9 @@ class HeadReader:
 
 
 HEADS_REMEMBERED = 4096
-"""How many request heads a `HeadReader` remembers the reading of."""
+HEAD_BYTES_REMEMBERED = 4 << 20
+"""How many request heads, and how many of their bytes, a `HeadReader` remembers the
+reading of (4,096 heads of up to 64 KiB would be 256 MiB)."""
 
 
 class _Known:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import tether.routing.front as front_module
 from tether.routing.front import HeadReader, _ProxyHeaders
 from tether.routing.kinds import CookieCodec, SessionKind
 from tether.routing.router import FOUND_KEY
@@ -214,3 +215,12 @@ def test_a_remembered_heads_cookie_is_checked_again_and_stops_naming_it_once_exp
     time.sleep(2.1)  # past the cookie's max_age (whole seconds)
     late = reader.read(data, "")
     assert late is not None and late.scope[FOUND_KEY].session_id is None
+
+
+def test_a_reader_remembers_at_most_its_byte_budget_of_heads() -> None:
+    reader = HeadReader(None)
+    filler = b"x" * 60_000
+    for index in range(200):  # 12 MB of distinct heads
+        data = b"GET /%d HTTP/1.1\r\nx-big: %s\r\n\r\n" % (index, filler)
+        assert reader.read(data, "") is not None
+        assert sum(len(head) for head in reader._known) <= front_module.HEAD_BYTES_REMEMBERED
