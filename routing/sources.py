@@ -81,6 +81,8 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
         elif slot == ID_HEADER:
             if header_id is None:
                 header_id = kind.read_header(value.decode("latin-1"))
+                if kind.header_reader is not None:  # the app's own code: never remembered
+                    found.until = -math.inf
         elif slot == TOKEN:
             if token_id is None:
                 token_id = kind.read_token(value.decode("latin-1"))
