@@ -104,7 +104,7 @@ def test_a_signature_names_one_method_target_and_worker(
         f"{int(T0)}.{'n' * 16}.{'A' * 64}",  # upper-case hex
         f"x{int(T0)}.{'n' * 16}.{'0' * 64}",
         f"{int(T0)}.{'n!' * 8}.{'0' * 64}",  # a nonce outside the alphabet
-        signed() + " ",
+        signed(nonce="n" * 16) + " ",
     ],
 )
 def test_a_malformed_value_is_refused_as_malformed(value: str) -> None:
