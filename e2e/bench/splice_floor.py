@@ -81,19 +81,20 @@ def serve_one(index: int, count: int, fd: int, runtime_dir: str) -> None:
     uvicorn.Server(config).run(sockets=[socket.socket(fileno=fd), unix])
 
 
-def main() -> None:
-    if sys.argv[1] == "one":
-        serve_one(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
-        return
-    count, runtime_dir = int(sys.argv[1]), sys.argv[2]
+def run_processes(module: str, count: int, runtime_dir: str, names: str,
+                  *extra: str) -> None:
+    """Bind one TCP port, start `count` processes of `module` (each run as `one INDEX
+    COUNT FD RUNTIME_DIR *EXTRA`) sharing it, print `port N` once each has bound its Unix
+    socket (`names`, formatted with its index, in `runtime_dir`), and wait for them; a
+    SIGTERM stops them."""
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
     listener.listen(2048)
     port, fd = listener.getsockname()[1], listener.fileno()
     children = [
-        subprocess.Popen([sys.executable, "-m", "e2e.bench.splice_floor", "one", str(i),
-                          str(count), str(fd), runtime_dir], pass_fds=[fd])
+        subprocess.Popen([sys.executable, "-m", module, "one", str(i), str(count), str(fd),
+                          runtime_dir, *extra], pass_fds=[fd])
         for i in range(count)
     ]
     listener.close()
@@ -103,15 +104,23 @@ def main() -> None:
             child.terminate()
 
     signal.signal(signal.SIGTERM, stop)
-    sockets = [os.path.join(runtime_dir, f"floor-{i}.sock") for i in range(count)]
-    while not all(os.path.exists(path) for path in sockets):  # (listening once bound)
+    sockets = [os.path.join(runtime_dir, names.format(i)) for i in range(count)]
+    while not all(os.path.exists(path) for path in sockets):
         if any(child.poll() is not None for child in children):
             stop()
-            sys.exit("a splice floor process exited at start")
+            sys.exit(f"a process of {module} exited at start")
         time.sleep(0.05)
+    time.sleep(0.5)  # (a socket is bound a moment before it listens)
     print(f"port {port}", flush=True)
     for child in children:
         child.wait()
+
+
+def main() -> None:
+    if sys.argv[1] == "one":
+        serve_one(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return
+    run_processes("e2e.bench.splice_floor", int(sys.argv[1]), sys.argv[2], "floor-{}.sock")
 
 
 if __name__ == "__main__":

@@ -4,18 +4,21 @@ sessions, in the same run.
 
 Run from the repository root (about a minute)::
 
-    .venv/bin/python -m e2e.bench.throughput [--seconds 10] [--rounds 2] [--no-doc]
+    .venv/bin/python -m e2e.bench.throughput [--seconds 10] [--rounds 2] [--candidates]
+        [--no-doc]
 
 Each round runs `tether serve e2e.bench.throughput_app:app --workers 4`, then
 `uvicorn e2e.bench.throughput_app:app --workers 4` (both without access logs, so the
 figure is routing's cost, not logging's), then the splice floor of
 `e2e/bench/splice_floor.py` (the passthrough's design with a free routing decision and
-no router: how close the design itself can come), each driven for `--seconds` by the client of
-`e2e/bench/load_client.py` in its own process: 64 kept-alive connections, one request at
-a time on each, `GET /count` with the signed session cookie of one of 1,000 sessions
-picked at random per request. With 4 workers three requests in four reach a worker that
-does not hold their session. Before the clock starts every session is used once (under
-tether, that claims it where it lands).
+no router: how close the design itself can come), and with `--candidates` the two
+direct-reply floors of `e2e/bench/direct_reply_floor.py` (a candidate design: the same,
+with the holder writing the reply to the client's socket), each driven for `--seconds`
+by the client of `e2e/bench/load_client.py` in its own process: 64 kept-alive
+connections, one request at a time on each, `GET /count` with the signed session cookie
+of one of 1,000 sessions picked at random per request. With 4 workers three requests in
+four reach a worker that does not hold their session. Before the clock starts every
+session is used once (under tether, that claims it where it lands).
 
 Under tether it also reads `tether_requests_total` from `/_tether/metrics` before and
 after each run, for the share of requests the workers forwarded (the kernel's spread of
@@ -110,12 +113,24 @@ def start_uvicorn(log_dir: str) -> tuple[subprocess.Popen[bytes], int]:
     raise RuntimeError("uvicorn did not start its workers within 60 s")
 
 
-def start_floor(log_dir: str) -> tuple[subprocess.Popen[bytes], int]:
-    """The splice floor (e2e/bench/splice_floor.py) with as many processes as workers."""
+FLOOR = ("e2e.bench.splice_floor",)
+"""The passthrough's design with no routing work."""
+CANDIDATES = {
+    "direct-reply floor (socket)": ("e2e.bench.direct_reply_floor", "socket"),
+    "direct-reply floor (memory)": ("e2e.bench.direct_reply_floor", "memory"),
+}
+"""Other designs with no routing work (`--candidates`): the holder writes the reply to
+the client's socket, and says it is done on the Unix socket or in shared memory."""
+
+
+def start_floor(log_dir: str, floor: tuple[str, ...]) -> tuple[subprocess.Popen[bytes], int]:
+    """A floor (`FLOOR`, `CANDIDATES`: its module and arguments) with as many processes
+    as workers."""
     runtime = tempfile.mkdtemp(prefix="floor-", dir="/tmp")
-    log = open(os.path.join(log_dir, "floor.log"), "wb")  # noqa: SIM115 (the process's)
+    log = open(os.path.join(log_dir, "floor.log"), "ab")  # noqa: SIM115 (the process's)
+    module, *extra = floor
     process = subprocess.Popen(
-        [sys.executable, "-m", "e2e.bench.splice_floor", str(WORKERS), runtime],
+        [sys.executable, "-m", module, str(WORKERS), runtime, *extra],
         cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
         start_new_session=True,
     )
@@ -124,7 +139,7 @@ def start_floor(log_dir: str) -> tuple[subprocess.Popen[bytes], int]:
     line = process.stdout.readline().decode()
     if not line.startswith("port "):
         stop(process)
-        raise RuntimeError("the splice floor did not start")
+        raise RuntimeError(f"{module} did not start")
     return process, int(line.split()[1])
 
 
@@ -185,12 +200,14 @@ def forwarded_fraction(before: dict[str, float], after: dict[str, float]) -> flo
     return round(delta("forwarded") / received, 3) if received else 0.0
 
 
-def run(seconds: float, rounds: int) -> dict[str, Any]:
+def run(seconds: float, rounds: int, candidates: bool = False) -> dict[str, Any]:
     load_before = load_average()
     log_dir = tempfile.mkdtemp(prefix="tp-", dir="/tmp")
     cookie_file = os.path.join(log_dir, "cookies")
     Path(cookie_file).write_text("\n".join(cookies(SESSIONS)) + "\n", encoding="latin-1")
-    runs: dict[str, list[dict[str, Any]]] = {"tether": [], "uvicorn": [], "splice floor": []}
+    floors = {"splice floor": FLOOR, **(CANDIDATES if candidates else {})}
+    runs: dict[str, list[dict[str, Any]]] = {"tether": [], "uvicorn": [],
+                                             **{name: [] for name in floors}}
     exits: list[int] = []
     ticks_before = cpu_ticks()
     try:
@@ -209,11 +226,12 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
                 runs["uvicorn"].append(drive(port, seconds, cookie_file, plain.pid))
             finally:
                 exits.append(stop(plain))
-            floor, port = start_floor(log_dir)
-            try:
-                runs["splice floor"].append(drive(port, seconds, cookie_file, floor.pid))
-            finally:
-                exits.append(stop(floor))
+            for name, command in floors.items():
+                floor, port = start_floor(log_dir, command)
+                try:
+                    runs[name].append(drive(port, seconds, cookie_file, floor.pid))
+                finally:
+                    exits.append(stop(floor))
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     ticks_after = cpu_ticks()
@@ -226,6 +244,8 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
                 for name, rs in runs.items()}
     ratio = round(measured["tether"] / measured["uvicorn"], 3)
     floor_ratio = round(measured["splice floor"] / measured["uvicorn"], 3)
+    candidate_ratios = {name: round(measured[name] / measured["uvicorn"], 3)
+                        for name in floors if name in CANDIDATES}
     checks = {
         "errors": sum(r["errors"] for rs in runs.values() for r in rs),
         "lost_connections": sum(r["lost_connections"] for rs in runs.values() for r in rs),
@@ -237,7 +257,8 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
     )
     return {
         "benchmark": "throughput",
-        "command": f"{COMMAND} --seconds {seconds:g} --rounds {rounds}",
+        "command": f"{COMMAND} --seconds {seconds:g} --rounds {rounds}"
+        + (" --candidates" if candidates else ""),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
             **machine(PACKAGES),
@@ -253,6 +274,9 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
             "uvicorn": f"uvicorn {APP} --workers {WORKERS} --no-access-log",
             "splice floor": f"e2e/bench/splice_floor.py: {WORKERS} uvicorn processes, "
             "the passthrough's splice with a crc32 of the cookie for a routing decision",
+            **({"direct-reply floors": "e2e/bench/direct_reply_floor.py: the same, but the "
+                "holder writes the reply to the client's socket (passed once per connection)"}
+               if candidates else {}),
             "client": f"e2e/bench/load_client.py: {CONNECTIONS} kept-alive connections, "
             f"GET /count of a random session of {SESSIONS}, {WARMUP_S:g} s warm-up",
             "seconds": seconds,
@@ -261,6 +285,7 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
         "requests_per_s": measured,
         "tether_over_uvicorn": ratio,
         "splice_floor_over_uvicorn": floor_ratio,
+        "candidates_over_uvicorn": candidate_ratios,
         "target": {"tether_over_uvicorn": TARGET, "pass": ratio >= TARGET},
         "checks": checks,
     }
@@ -286,6 +311,8 @@ def table(result: dict[str, Any]) -> str:
         f"{'pass' if target['pass'] else 'FAIL'} |",
         f"| splice floor ÷ uvicorn (the design with no routing work; no target) | "
         f"{result['splice_floor_over_uvicorn']:.3f} | | |",
+        *(f"| {name} ÷ uvicorn (a candidate design, no routing work; no target) | "
+          f"{ratio:.3f} | | |" for name, ratio in result["candidates_over_uvicorn"].items()),
         "",
         "tether's requests forwarded, each round (the rest were served where they "
         "landed; 0.75 with the connections spread evenly): "
@@ -316,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--doc", type=Path, default=DOC)
     parser.add_argument("--no-doc", action="store_true")
+    parser.add_argument("--candidates", action="store_true",
+                        help="measure the direct-reply floors too (a candidate design)")
     args = parser.parse_args(argv)
-    result = run(args.seconds, args.rounds)
+    result = run(args.seconds, args.rounds, args.candidates)
     return finish(result, result["machine"]["other_work_cpu_percent"], args.output,
                   None if args.no_doc else args.doc, table, update_doc)
 
