@@ -530,11 +530,11 @@ class Router:
                     return
         if kind.cookie is not None and found.cookie_id != session_id:
             scope = _with_session_cookie(scope, kind, found, session_id)
-        session = _Served(self, session_id, role, minted)
+        session = _Served(self, session_id, role, minted, scope, send)
         if claims is not None:
             claims.begin(session_id)
         try:
-            await self.app(scope, receive, session.wrap(scope, send))
+            await self.app(scope, receive, session.send)
         finally:
             if claims is not None:
                 claims.end(session_id, role, session.ok)
@@ -559,8 +559,8 @@ class Router:
         if (kind.reply_header is None and field is None) or self.claims is None:
             await self.app(scope, receive, send)
             return
-        session = _Served(self, None, "other", minted=False)
-        wrapped = session.wrap(scope, send)
+        session = _Served(self, None, "other", False, scope, send)
+        wrapped: Send = session.send
         if field is not None:
             wrapped = ReplyField(wrapped, field, session.named_in_body)
         try:
@@ -607,34 +607,37 @@ class _Served:
     refused = False
 
     def __init__(
-        self, router: Router, session_id: SessionId | None, role: Role, minted: bool
+        self, router: Router, session_id: SessionId | None, role: Role, minted: bool,
+        scope: Scope, send: Send,
     ) -> None:
         self.router = router
         self.session_id = session_id
         self.role = role
         self.minted = minted
+        self.scope = scope
+        self._send = send
 
     async def named_in_body(self, session_id: SessionId | None) -> None:
         self.body_id = session_id
 
-    def wrap(self, scope: Scope, send: Send) -> Send:
-        async def wrapped(message: Message) -> None:
-            if self.refused:
+    async def send(self, message: Message) -> None:
+        """The app's `send`: the reply's start is checked (and its claims made) before
+        it goes on."""
+        if self.refused:
+            return
+        if message["type"] == "http.response.start":
+            scope = self.scope
+            try:
+                claims = self._read_start(scope, message)
+                error = await self._claim_at_start(message) if claims else None
+            except TetherError as unclaimable:  # the cluster's store is out of reach
+                error = unclaimable
+            if error is not None:
+                self.refused = True
+                await self.router._refuse(self._send, error)
                 return
-            if message["type"] == "http.response.start":
-                try:
-                    claims = self._read_start(scope, message)
-                    error = await self._claim_at_start(message) if claims else None
-                except TetherError as unclaimable:  # the cluster's store is out of reach
-                    error = unclaimable
-                if error is not None:
-                    self.refused = True
-                    await self.router._refuse(send, error)
-                    return
-                self._name_in_cookie(scope, message)
-            await send(message)
-
-        return wrapped
+            self._name_in_cookie(scope, message)
+        await self._send(message)
 
     def _read_start(self, scope: Scope, message: Message) -> bool:
         """Read the reply's start and the session the handler left: whether anything is
