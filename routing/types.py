@@ -20,13 +20,17 @@ class Later(enum.Enum):
 LATER = Later.LATER
 
 MAX_SESSION_ID_LENGTH = 256
-_SESSION_ID = re.compile(r"[\x20-\x7e]{1,256}")
 _WORKER_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def session_id_or_none(value: Any) -> SessionId | None:
-    """The value as a session ID: 1 to 256 printable ASCII characters, else None."""
-    if isinstance(value, str) and _SESSION_ID.fullmatch(value):
+    """The value as a session ID: 1 to 256 printable ASCII characters (0x20 to 0x7e),
+    else None. (For ASCII, `str.isprintable` holds for exactly those; a regular
+    expression costs several times as much, on every request.)"""
+    if (
+        isinstance(value, str) and 0 < len(value) <= MAX_SESSION_ID_LENGTH
+        and value.isascii() and value.isprintable()
+    ):
         return SessionId(value)
     return None
 
