@@ -93,7 +93,8 @@ def find(kind: SessionKind | None, scope: Scope) -> Found:
     if cookie_header is not None and kind.cookie is not None:
         value = _cookie_value(cookie_header, kind.cookie.name)
         if value is not None:
-            found.cookie_session, found.until = kind.cookie.read(value)
+            found.cookie_session, until = kind.cookie.read(value)
+            found.until = min(found.until, until)  # (the app's reader may have set it)
             if found.cookie_session is not None:
                 found.cookie_id = session_id_or_none(found.cookie_session.get(kind.cookie_key))
     query_id = None

@@ -226,15 +226,21 @@ def test_a_reader_remembers_at_most_its_byte_budget_of_heads() -> None:
         assert sum(len(head) for head in reader._known) <= front_module.HEAD_BYTES_REMEMBERED
 
 
-def test_a_head_whose_id_the_apps_own_reader_gives_is_read_by_it_every_time() -> None:
+@pytest.mark.parametrize("with_cookie", [False, True])
+def test_a_head_whose_id_the_apps_own_reader_gives_is_read_by_it_every_time(
+    with_cookie: bool,
+) -> None:
+    """Never remembered, a cookie's reading beside it included."""
     calls: list[str] = []
 
     def reader_of(value: str) -> str:
         calls.append(value)
         return f"id-{len(calls)}"  # (an app's reader may answer differently each time)
 
-    reader = HeadReader(SessionKind(header="x-session", header_reader=reader_of))
-    data = b"GET / HTTP/1.1\r\nx-session: v\r\n\r\n"
+    codec = CookieCodec(secret="s3cret")
+    reader = HeadReader(SessionKind(header="x-session", header_reader=reader_of, cookie=codec))
+    cookie = f"cookie: session={codec.encode({'session_id': 'c'})}\r\n" if with_cookie else ""
+    data = f"GET / HTTP/1.1\r\nx-session: v\r\n{cookie}\r\n".encode()
     first, again = reader.read(data, ""), reader.read(data, "")
     assert first is not None and again is not None
     assert (first.scope[FOUND_KEY].session_id, again.scope[FOUND_KEY].session_id) == (
