@@ -1,9 +1,10 @@
 """The throughput benchmark's client: kept-alive connections, each sending one request
 at a time, every request naming a random session.
 
-Run as `python -m e2e.bench.load_client PORT CONNECTIONS WARMUP_S SECONDS COOKIES_FILE`
-(one cookie header value per line). Each connection first sends one request per cookie
-it owns (every session is used before the clock starts), then random ones; it prints one
+Run as `python -m e2e.bench.load_client PORT CONNECTIONS WARMUP_S SECONDS COOKIES_FILE
+[sticky]` (one cookie header value per line). Each connection first sends one request per
+cookie it owns (every session is used before the clock starts), then random ones, or with
+`sticky` only ever the session of its first request again; it prints one
 JSON line: replies counted in the SECONDS after WARMUP_S, non-200 replies, and its own
 CPU seconds over that window. Lean on purpose (a protocol, no HTTP library), so the
 server, not the client, is what the figure measures.
@@ -26,8 +27,10 @@ _LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, requests: list[bytes], first: list[bytes], tally: _Tally) -> None:
-        self.requests = requests
+    def __init__(
+        self, requests: list[bytes], first: list[bytes], tally: _Tally, sticky: bool
+    ) -> None:
+        self.requests = [first[-1]] if sticky else requests  # (`first` is sent from its end)
         self.first = first
         self.tally = tally
         self.buffer = b""
@@ -91,7 +94,7 @@ def _cpu() -> float:
 
 
 async def run(port: int, connections: int, warmup_s: float, seconds: float,
-              cookies: list[str]) -> dict[str, float]:
+              cookies: list[str], sticky: bool = False) -> dict[str, float]:
     requests = [
         f"GET /count HTTP/1.1\r\nhost: bench\r\ncookie: {cookie}\r\n\r\n".encode("latin-1")
         for cookie in cookies
@@ -100,7 +103,9 @@ async def run(port: int, connections: int, warmup_s: float, seconds: float,
     loop = asyncio.get_running_loop()
     conns = []
     for index in range(connections):
-        make = functools.partial(_Connection, requests, requests[index::connections], tally)
+        make = functools.partial(
+            _Connection, requests, requests[index::connections], tally, sticky
+        )
         _, conn = await loop.create_connection(make, "127.0.0.1", port)
         conns.append(conn)
     await asyncio.sleep(warmup_s)
@@ -122,10 +127,11 @@ async def run(port: int, connections: int, warmup_s: float, seconds: float,
 
 def main() -> None:
     port, connections, warmup_s, seconds, path = sys.argv[1:6]
+    sticky = sys.argv[6:] == ["sticky"]
     with open(path, encoding="latin-1") as file:
         cookies = [line.strip() for line in file if line.strip()]
     result = uvloop.run(
-        run(int(port), int(connections), float(warmup_s), float(seconds), cookies)
+        run(int(port), int(connections), float(warmup_s), float(seconds), cookies, sticky)
     )
     print(json.dumps(result), flush=True)
 

@@ -5,7 +5,7 @@ sessions, in the same run.
 Run from the repository root (about a minute)::
 
     .venv/bin/python -m e2e.bench.throughput [--seconds 10] [--rounds 2] [--candidates]
-        [--no-doc]
+        [--sticky] [--no-doc]
 
 Each round runs `tether serve e2e.bench.throughput_app:app --workers 4`, then
 `uvicorn e2e.bench.throughput_app:app --workers 4` (both without access logs, so the
@@ -20,13 +20,20 @@ of one of 1,000 sessions picked at random per request. With 4 workers three requ
 four reach a worker that does not hold their session. Before the clock starts every
 session is used once (under tether, that claims it where it lands).
 
+`--sticky` adds a round of tether and of uvicorn whose connections each keep to the
+session of their first request: under tether that request moves the connection to the
+session's holder (handoff.py), so every timed request is served where it lands and none
+is forwarded. Their ratio is what tether costs with nothing forwarded (no target): it
+tells the routing work on the holder's side from the forwarding itself.
+
 Under tether it also reads `tether_requests_total` from `/_tether/metrics` before and
 after each run, for the share of requests the workers forwarded (the kernel's spread of
 the connections over the workers moves it around 0.75, and the figure with it).
 
 It prints a table, writes `e2e/bench/results/throughput.json` and rewrites the generated
 part of the "Throughput" section of `docs/benchmarks.md` (not with `--no-doc`); it exits
-1 if a run's checks fail (an error reply, a lost connection, a process left over).
+1 if a run's checks fail (an error reply, a lost connection, a process left over, or a
+forwarded request in a `--sticky` round).
 """
 
 from __future__ import annotations
@@ -156,12 +163,15 @@ def group_cpu(root: int) -> float:
     return total
 
 
-def drive(port: int, seconds: float, cookie_file: str, server: int) -> dict[str, Any]:
-    """Run the load client against `port`; its figures, and the server's CPU per reply."""
+def drive(
+    port: int, seconds: float, cookie_file: str, server: int, sticky: bool = False
+) -> dict[str, Any]:
+    """Run the load client against `port` (each connection keeping to one session if
+    `sticky`); its figures, and the server's CPU per reply."""
     cpu = group_cpu(server)
     client = subprocess.run(
         [sys.executable, "-m", "e2e.bench.load_client", str(port), str(CONNECTIONS),
-         str(WARMUP_S), str(seconds), cookie_file],
+         str(WARMUP_S), str(seconds), cookie_file, *(["sticky"] if sticky else [])],
         cwd=REPO, capture_output=True, check=True, timeout=seconds + 120,
     )
     server_cpu = group_cpu(server) - cpu  # warm-up included: an upper bound per reply
@@ -200,7 +210,9 @@ def forwarded_fraction(before: dict[str, float], after: dict[str, float]) -> flo
     return round(delta("forwarded") / received, 3) if received else 0.0
 
 
-def run(seconds: float, rounds: int, candidates: bool = False) -> dict[str, Any]:
+def run(
+    seconds: float, rounds: int, candidates: bool = False, sticky: bool = False
+) -> dict[str, Any]:
     load_before = load_average()
     log_dir = tempfile.mkdtemp(prefix="tp-", dir="/tmp")
     cookie_file = os.path.join(log_dir, "cookies")
@@ -208,6 +220,9 @@ def run(seconds: float, rounds: int, candidates: bool = False) -> dict[str, Any]
     floors = {"splice floor": FLOOR, **(CANDIDATES if candidates else {})}
     runs: dict[str, list[dict[str, Any]]] = {"tether": [], "uvicorn": [],
                                              **{name: [] for name in floors}}
+    if sticky:
+        runs.update({"tether, one session per connection": [],
+                     "uvicorn, one session per connection": []})
     exits: list[int] = []
     ticks_before = cpu_ticks()
     try:
@@ -232,6 +247,22 @@ def run(seconds: float, rounds: int, candidates: bool = False) -> dict[str, Any]
                     runs[name].append(drive(port, seconds, cookie_file, floor.pid))
                 finally:
                     exits.append(stop(floor))
+            if sticky:
+                tether = start_tether(log_dir, APP, WORKERS, ("--log-format", "json",
+                                                              "--no-access-log"))
+                try:
+                    before = outcomes(tether)
+                    result = drive(tether.port, seconds, cookie_file, tether.process.pid, True)
+                    result["forwarded_fraction"] = forwarded_fraction(before, outcomes(tether))
+                    runs["tether, one session per connection"].append(result)
+                finally:
+                    exits.append(stop(tether.process))
+                plain, port = start_uvicorn(log_dir)
+                try:
+                    runs["uvicorn, one session per connection"].append(
+                        drive(port, seconds, cookie_file, plain.pid, True))
+                finally:
+                    exits.append(stop(plain))
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     ticks_after = cpu_ticks()
@@ -246,19 +277,30 @@ def run(seconds: float, rounds: int, candidates: bool = False) -> dict[str, Any]
     floor_ratio = round(measured["splice floor"] / measured["uvicorn"], 3)
     candidate_ratios = {name: round(measured[name] / measured["uvicorn"], 3)
                         for name in floors if name in CANDIDATES}
+    sticky_ratio = (
+        round(measured["tether, one session per connection"]
+              / measured["uvicorn, one session per connection"], 3)
+        if sticky else None
+    )
     checks = {
         "errors": sum(r["errors"] for rs in runs.values() for r in rs),
         "lost_connections": sum(r["lost_connections"] for rs in runs.values() for r in rs),
         "exit_codes": exits,
     }
+    # With one session per connection nothing may be forwarded, or the round measures
+    # something else than it says.
+    checks["forwarded_with_one_session_per_connection"] = [
+        r["forwarded_fraction"] for r in runs.get("tether, one session per connection", [])
+    ]
     checks["ok"] = (
         checks["errors"] == 0 and checks["lost_connections"] == 0
         and all(code in (0, -15) for code in exits)
+        and all(share <= 0.01 for share in checks["forwarded_with_one_session_per_connection"])
     )
     return {
         "benchmark": "throughput",
         "command": f"{COMMAND} --seconds {seconds:g} --rounds {rounds}"
-        + (" --candidates" if candidates else ""),
+        + (" --candidates" if candidates else "") + (" --sticky" if sticky else ""),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
             **machine(PACKAGES),
@@ -286,6 +328,7 @@ def run(seconds: float, rounds: int, candidates: bool = False) -> dict[str, Any]
         "tether_over_uvicorn": ratio,
         "splice_floor_over_uvicorn": floor_ratio,
         "candidates_over_uvicorn": candidate_ratios,
+        "one_session_per_connection_over_uvicorn": sticky_ratio,
         "target": {"tether_over_uvicorn": TARGET, "pass": ratio >= TARGET},
         "checks": checks,
     }
@@ -313,10 +356,17 @@ def table(result: dict[str, Any]) -> str:
         f"{result['splice_floor_over_uvicorn']:.3f} | | |",
         *(f"| {name} ÷ uvicorn (a candidate design, no routing work; no target) | "
           f"{ratio:.3f} | | |" for name, ratio in result["candidates_over_uvicorn"].items()),
+        *([f"| tether ÷ uvicorn, one session per connection (nothing forwarded; no target) | "
+           f"{result['one_session_per_connection_over_uvicorn']:.3f} | | |"]
+          if result.get("one_session_per_connection_over_uvicorn") is not None else []),
         "",
         "tether's requests forwarded, each round (the rest were served where they "
         "landed; 0.75 with the connections spread evenly): "
-        + ", ".join(f"{r.get('forwarded_fraction', 0):.3f}" for r in result["runs"]["tether"]),
+        + ", ".join(f"{r.get('forwarded_fraction', 0):.3f}" for r in result["runs"]["tether"])
+        + "".join(
+            f"; with one session per connection: {r.get('forwarded_fraction', 0):.3f}"
+            for r in result["runs"].get("tether, one session per connection", [])
+        ),
     ]
     return "\n".join(lines)
 
@@ -345,8 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-doc", action="store_true")
     parser.add_argument("--candidates", action="store_true",
                         help="measure the direct-reply floors too (a candidate design)")
+    parser.add_argument("--sticky", action="store_true",
+                        help="a round more of each server with one session per connection")
     args = parser.parse_args(argv)
-    result = run(args.seconds, args.rounds, args.candidates)
+    result = run(args.seconds, args.rounds, args.candidates, args.sticky)
     return finish(result, result["machine"]["other_work_cpu_percent"], args.output,
                   None if args.no_doc else args.doc, table, update_doc)
 
