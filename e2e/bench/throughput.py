@@ -364,8 +364,9 @@ def table(result: dict[str, Any]) -> str:
         "landed; 0.75 with the connections spread evenly): "
         + ", ".join(f"{r.get('forwarded_fraction', 0):.3f}" for r in result["runs"]["tether"])
         + "".join(
-            f"; with one session per connection: {r.get('forwarded_fraction', 0):.3f}"
-            for r in result["runs"].get("tether, one session per connection", [])
+            "; with one session per connection: "
+            + ", ".join(f"{r.get('forwarded_fraction', 0):.3f}" for r in rs)
+            for rs in [result["runs"].get("tether, one session per connection", [])] if rs
         ),
     ]
     return "\n".join(lines)
