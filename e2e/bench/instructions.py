@@ -24,6 +24,14 @@ shut-down cancel out:
 - plain uvicorn: the same app under uvicorn's own protocol, no tether.
 
 `--source` counts another checkout (PYTHONPATH), for a before-and-after in one sitting.
+
+`--load` measures the same set-up under load instead, without valgrind: `--connections`
+kept-alive connections (32) each send one request at a time, every request of a random
+session of the variant's hundred, for `--seconds` (6) after a warm-up, and the worker's
+user and system CPU time per request are read from `/proc`. This is each side of a
+forwarded request alone, at the concurrency the throughput benchmark drives it with; it
+moves by a few percent from run to run, so it says where the time goes, and the count
+says by how much a change moves it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import shutil
 import socket
@@ -38,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 
 from e2e.bench.routing import REPO
 from e2e.bench.throughput import cookies
@@ -137,14 +146,78 @@ def _client(path: str, count: int, first: int, hop: bool) -> None:
             assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
 
 
+class _Loader(asyncio.Protocol):
+    """One of `_load`'s connections: a random request of `requests` whenever the last
+    reply has come, until `tally[1]` says stop; `tally[0]` counts the replies."""
+
+    def __init__(self, requests: list[bytes], tally: list[int]) -> None:
+        self.requests, self.tally, self.buffer = requests, tally, b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
+        self.transport.write(random.choice(self.requests))
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        head, blank, body = self.buffer.partition(b"\r\n\r\n")
+        found = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        if not blank or found is None or len(body) < int(found[1]):
+            return
+        assert self.buffer.startswith(b"HTTP/1.1 200 "), self.buffer[:200]
+        self.buffer = body[int(found[1]) :]
+        self.tally[0] += 1
+        if self.tally[1]:
+            self.transport.close()
+        else:
+            self.transport.write(random.choice(self.requests))
+
+
+async def _load(
+    path: str, first: int, hop: bool, pid: int, connections: int, seconds: float
+) -> tuple[float, float, float]:
+    """Requests a second, and the worker `pid`'s user and system µs a request, while
+    `connections` connections to `path` keep it busy."""
+    values = cookies(first + SESSIONS)[first:]
+    requests = [b"GET /count HTTP/1.1\r\nhost: bench\r\ncookie: " + value.encode()
+                + b"\r\n" + (HOP if hop else b"") + b"\r\n" for value in values]
+    tally = [0, 0]
+    loop = asyncio.get_running_loop()
+    transports = [
+        (await loop.create_unix_connection(lambda: _Loader(requests, tally), path))[0]
+        for _ in range(connections)
+    ]
+    await asyncio.sleep(1.5)  # warm-up
+    before, replies = _cpu_ticks(pid), tally[0]
+    await asyncio.sleep(seconds)
+    after, replies = _cpu_ticks(pid), tally[0] - replies
+    tally[1] = 1
+    await asyncio.sleep(0.2)
+    for transport in transports:
+        transport.close()
+    if replies == 0:
+        raise RuntimeError("no reply came under load")
+    per = 1e6 / os.sysconf("SC_CLK_TCK") / replies
+    return (replies / seconds, (after[0] - before[0]) * per, (after[1] - before[1]) * per)
+
+
+def _cpu_ticks(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
 def _wait_ready(process: subprocess.Popen[bytes]) -> None:
     assert process.stdout is not None
     if process.stdout.readline().strip() != b"ready":
         raise RuntimeError("a bench process did not start")
 
 
-def count(variant: dict[str, Any], requests: int, source: str) -> int:
-    """Instructions of the worker for `requests` requests of `variant`."""
+def count(
+    variant: dict[str, Any], requests: int, source: str,
+    load: tuple[int, float] | None = None,
+) -> Any:
+    """Instructions of the worker for `requests` requests of `variant`; or with `load`
+    (connections, seconds), its figures under load (`_load`), not under valgrind."""
     runtime = tempfile.mkdtemp(prefix="ic-", dir="/tmp")
     os.makedirs(os.path.join(runtime, "w"), mode=0o700)
     os.makedirs(os.path.join(runtime, "claims"), mode=0o700)
@@ -161,14 +234,26 @@ def count(variant: dict[str, Any], requests: int, source: str) -> int:
     try:
         _wait_ready(fixture)
         log_file = os.path.join(runtime, "callgrind.txt")
+        valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                    f"--log-file={log_file}"]
         worker = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-             f"--log-file={log_file}", *counted, "worker", runtime, public,
+            [*(valgrind if load is None else []), *counted, "worker", runtime, public,
              "log" if variant["log"] else "-", "plain" if variant["plain"] else "-"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )
         _wait_ready(worker)
         target = os.path.join(runtime, "w", f"{OWN}.sock") if variant["hop"] else public
+        if load is not None:
+            import uvloop
+
+            figures = uvloop.run(
+                _load(target, variant["first"], variant["hop"], worker.pid, *load)
+            )
+            if variant["hop"]:
+                with socket.socket(socket.AF_UNIX) as ender:
+                    ender.connect(public)
+            worker.wait(timeout=60)
+            return figures
         _client(target, requests, variant["first"], variant["hop"])
         if variant["hop"]:  # the worker ends with its first public connection
             with socket.socket(socket.AF_UNIX) as ender:
@@ -210,10 +295,24 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=1000, help="counted requests (1000)")
     parser.add_argument("--source", default=str(REPO), help="the checkout counted (this one)")
+    parser.add_argument("--load", action="store_true",
+                        help="CPU time per request under load instead (no valgrind)")
+    parser.add_argument("--connections", type=int, default=32, help="with --load (32)")
+    parser.add_argument("--seconds", type=float, default=6.0, help="with --load (6)")
     args = parser.parse_args()
+    started = time.monotonic()
+    if args.load:
+        print("| worker's requests, under load | requests/s | user µs per request "
+              "| system µs per request |\n| --- | ---: | ---: | ---: |")
+        for name, variant in VARIANTS.items():
+            rate, user, system = count(variant, 0, args.source,
+                                       (args.connections, args.seconds))
+            print(f"| {name} | {rate:,.0f} | {user:.1f} | {system:.1f} |", flush=True)
+        print(f"\n({args.source}, {args.connections} connections, "
+              f"{time.monotonic() - started:.0f} s)")
+        return
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed: apt-get install valgrind")
-    started = time.monotonic()
     print("| worker's requests | instructions per request |\n| --- | ---: |")
     for name, variant in VARIANTS.items():
         few = count(variant, SESSIONS, args.source)
