@@ -50,6 +50,8 @@ from e2e.harness import (
     run_tether,
 )
 from e2e.redis_server import RedisServer, redis_server_or_skip
+from e2e.test_passthrough_e2e import across, echoes, get, raw_on, seed, workers
+from tether.cluster.client import TIMEOUT_S as REDIS_TIMEOUT_S
 from tether.routing.hopsign import WINDOW_S, sign
 
 pytestmark = pytest.mark.e2e
@@ -714,3 +716,147 @@ async def test_two_hosts_checkpointed_by_ctl_and_both_killed_restore_every_sessi
         assert worker in owners and claims[session.id] == worker, (session.id, worker)
         reply = await session.increment()
         assert reply.status == 200 and reply.json["count"] == counts[session.id] + 1, reply
+
+
+# 9. The passthrough on a cluster --------------------------------------------------------
+#
+# A cluster's claims are in Redis, so the passthrough (routing/front.py) waits for the
+# lookup, holding the request unread, before it moves the connection or splices the
+# request; what it found travels with a request it leaves to the router.
+
+ECHO = "e2e.apps.echo:app"
+
+
+async def one_host(cluster: Cluster, *extra: str) -> Host:
+    host = cluster.start("h1", ADDRESSES["h1"], WORKERS, *extra, app=ECHO)
+    await cluster.meshed({"h1": WORKERS})
+    return host
+
+
+async def gets(redis_server: RedisServer) -> int:
+    """How many `GET`s Redis has answered so far (`INFO commandstats`)."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        stats = await asyncio.to_thread(client.info, "commandstats")
+    finally:
+        client.close()
+    return int(stats.get("cmdstat_get", {}).get("calls", 0))
+
+
+async def test_on_a_cluster_a_connections_first_request_moves_it_to_its_sessions_holder(
+    cluster: Cluster,
+) -> None:
+    host = await one_host(cluster)
+    cookie, holder, other, raw = await across(host.server, f"moved-{run_id()}", stay=False)
+    before = await workers(host.server)
+    try:
+        seen = await echoes(raw, cookie, 4)
+    finally:
+        await raw.close()
+    assert {s["worker"] for s in seen} == {holder}
+    after = await workers(host.server)
+    assert after[other]["handed_off"] - before[other]["handed_off"] == 1
+    assert after[other]["forwarded"] - before[other]["forwarded"] == 1
+    assert after[holder]["served_forwarded"] - before[holder]["served_forwarded"] == 1
+
+
+async def test_on_a_cluster_requests_of_another_workers_session_pass_through_one_lookup_each(
+    cluster: Cluster, redis_server: RedisServer,
+) -> None:
+    host = await one_host(cluster)
+    cookie, holder, other, raw = await across(host.server, f"through-{run_id()}")
+    before, lookups = await workers(host.server), await gets(redis_server)
+    try:
+        seen = await echoes(raw, cookie, 10)
+    finally:
+        await raw.close()
+    lookups = await gets(redis_server) - lookups
+    assert {s["worker"] for s in seen} == {holder}
+    after = await workers(host.server)
+    assert after[other]["passed_through"] - before[other]["passed_through"] == 10
+    assert after[holder]["served_forwarded"] - before[holder]["served_forwarded"] == 10
+    # One lookup a request; the hosts' own refreshes may add a few.
+    assert 10 <= lookups <= 14, lookups
+
+
+async def test_on_a_cluster_a_session_of_another_hosts_worker_is_looked_up_once_a_request(
+    cluster: Cluster, redis_server: RedisServer,
+) -> None:
+    """Left to the router (another host's worker is reached over TCP), the request goes
+    by what the passthrough's lookup found, not by a second one."""
+    h1 = cluster.start("h1", ADDRESSES["h1"], WORKERS, app=ECHO)
+    h2 = cluster.start("h2", ADDRESSES["h2"], WORKERS, app=ECHO)
+    owners = await cluster.meshed({"h1": WORKERS, "h2": WORKERS})
+    cookie, holder = await seed(h1.server, f"far-{run_id()}")
+    assert owners[holder] == "h1"
+    lines = await workers(h2.server)
+    raw = await raw_on(h2.server, lines, next(iter(lines)))
+    lookups = await gets(redis_server)
+    try:
+        for _ in range(10):
+            raw.write(get("/echo", cookie))
+            status, _, seen = await raw.reply()
+            assert (status, seen["worker"]) == (200, holder), seen
+    finally:
+        await raw.close()
+    lookups = await gets(redis_server) - lookups
+    assert 10 <= lookups <= 14, f"{lookups} lookups for 10 requests"
+
+
+async def test_on_a_cluster_a_request_whose_lookup_waits_on_a_paused_redis_is_answered_503(
+    cluster: Cluster, redis_server: RedisServer,
+) -> None:
+    """Redis stops answering while the passthrough waits on it: the request is refused
+    503 `cluster_unavailable` once the client's timeout ends the wait (and not asked of
+    Redis twice, which would double the wait); once Redis answers again, so does the
+    connection's next request."""
+    host = await one_host(cluster)
+    cookie, holder, _, raw = await across(host.server, f"paused-{run_id()}")
+    try:
+        redis_server.pause()
+        try:
+            started = time.monotonic()
+            raw.write(get("/echo", cookie))
+            status, _, body = await raw.reply()
+            waited = time.monotonic() - started
+        finally:
+            redis_server.resume()
+        assert status == 503, body
+        assert body["code"] == "cluster_unavailable", body
+        # One lookup waits out the client's timeout twice (it retries once); asked twice,
+        # Redis would keep the request twice as long.
+        one_lookup = 2 * REDIS_TIMEOUT_S
+        assert waited < 1.5 * one_lookup, f"{waited:.1f} s: Redis was asked twice"
+
+        async def answered() -> bool:
+            raw.write(get("/echo", cookie))
+            status, _, seen = await raw.reply()
+            return status == 200 and seen["worker"] == holder
+
+        await eventually(answered, 15, "the connection is served again")
+    finally:
+        await raw.close()
+
+
+async def test_on_a_cluster_a_client_that_leaves_while_its_lookup_waits_leaves_nothing_behind(
+    cluster: Cluster, redis_server: RedisServer,
+) -> None:
+    host = await one_host(cluster)
+    cookie, holder, other, raw = await across(host.server, f"left-{run_id()}")
+    redis_server.pause()
+    try:
+        raw.write(get("/echo", cookie))
+        await asyncio.sleep(0.3)  # the lookup waits on Redis
+        await raw.close()
+        await asyncio.sleep(0.3)
+    finally:
+        redis_server.resume()
+    lines = await workers(host.server)
+    raw = await raw_on(host.server, lines, other)
+    try:
+        seen = await echoes(raw, cookie, 2)
+    finally:
+        await raw.close()
+    assert {s["worker"] for s in seen} == {holder}
+    errors = [r for r in host.server.logs() if r.get("level") in ("error", "critical")]
+    assert not errors, errors

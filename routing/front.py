@@ -26,6 +26,12 @@ by itself (SPEC 4.2: what arrives on a private socket is served there). A reques
 this worker's own router takes along what `find` made of its head (`FOUND_KEY`), so the
 router does not read its session from the head a second time.
 
+On a cluster, where a session's holder is known only once Redis answers, a request for
+a session not held here waits for the router's lookup (`Router.passthrough_located`), the
+connection unread meanwhile as during a move, and then goes on as on one host; what the
+lookup found goes with a request left to the router (`Found.located`), so that it is not
+looked up twice.
+
 A connection's first request is not spliced but handed off when it can be (handoff.py):
 the connection itself moves to the holder, whose `FrontProtocol` then serves it as if it
 had accepted it (`hand_in`), its first request as a forwarded one, and any later request
@@ -67,7 +73,7 @@ from tether.routing.kinds import ANY_KIND_SLOTS, SessionKind
 from tether.routing.router import FOUND_KEY, HANDED_KEY, SCOPE_KEY, Router, session_gone
 from tether.routing.sources import Found, find
 from tether.routing.splice import Link, Links
-from tether.routing.types import WorkerId
+from tether.routing.types import LATER, WorkerId
 from tether.routing.writes import JoinedWrites
 
 log = structlog.get_logger("tether.front")
@@ -354,10 +360,13 @@ class _Spliced:
 
 class _Moving:
     """What `Passthrough.start` returns for a connection it is handing to the holder
-    (handoff.py): the connection waits, not read, for the holder's answer."""
+    (handoff.py), or whose request waits for the claim store to name its session's
+    holder: the connection waits, not read, for the answer (`moved`, `kept`,
+    `looked_up`)."""
 
 
 MOVING = _Moving()
+LOOKING = _Moving()
 
 
 class Passthrough:
@@ -379,6 +388,7 @@ class Passthrough:
         self.handoffs = None if handoff_of is None else Handoffs(handoff_of)
         self.heads = HeadReader(router.kind)
         self.closed = False
+        self._lookups: set[asyncio.Task[None]] = set()
 
     def start(
         self, front: Any, data: bytes, first: bool = False
@@ -387,7 +397,9 @@ class Passthrough:
         the passthrough (or, as the connection's `first` request, hand the connection to
         it: MOVING, and `front` is told how that ended). Otherwise nothing is sent: a
         request its holder's worker serves here gives what its head says of its
-        session, for the router (`FOUND_KEY`); any other gives None."""
+        session, for the router (`FOUND_KEY`); any other gives None. LOOKING: only the
+        claim store can name the holder (a cluster's), and `front.looked_up` is told
+        what came of the request once it has (its task is `front.looking`)."""
         started = time.perf_counter()
         if len(data) > PASSTHROUGH_MAX:
             return None
@@ -403,6 +415,43 @@ class Passthrough:
         if target is None:
             found: Found | None = scope.get(FOUND_KEY)
             return found
+        if target is LATER:
+            task = asyncio.get_running_loop().create_task(
+                self._look_up(front, data, read, first, started), name="tether-passthrough"
+            )
+            self._lookups.add(task)
+            task.add_done_callback(self._lookups.discard)
+            front.looking = task
+            return LOOKING
+        return self._send(front, data, read, target, first, started)
+
+    async def _look_up(
+        self, front: Any, data: bytes, read: _Head, first: bool, started: float
+    ) -> None:
+        """Wait for the claim store to name the request's holder, then send the request
+        on as `start` would have; `front` is told what came of it."""
+        sent: _Spliced | _Moving | None = None
+        try:
+            target = await self.router.passthrough_located(read.scope)
+            if front.raw_transport.is_closing():
+                return
+            if target is not None:
+                sent = self._send(front, data, read, target, first, started)
+        except Exception:  # (as in `start`): the router's way answers it
+            log.exception("passthrough_failed")
+        finally:
+            front.looking = None
+        found: Found = read.scope[FOUND_KEY]
+        front.looked_up(found if sent is None else sent)
+
+    def _send(
+        self, front: Any, data: bytes, read: _Head, target: WorkerId, first: bool,
+        started: float,
+    ) -> _Spliced | _Moving | None:
+        """`start`'s sending, once the holder is known: a move, the request spliced, or
+        None if neither could begin at once."""
+        router = self.router
+        scope = read.scope
         if first and self.handoffs is not None and self.handoffs.send(
             target, front.raw_transport.get_extra_info("socket").fileno(), data, front
         ):
@@ -476,9 +525,12 @@ class Passthrough:
         return encode_reply(self.router.refusal(error), default_headers)
 
     def close(self) -> None:
-        """Once the public server's connections are closed: close the links, then the
-        handoff channels (a move still unanswered is answered 503 from here)."""
+        """Once the public server's connections are closed: stop the lookups still
+        waiting, close the links, then the handoff channels (a move still unanswered is
+        answered 503 from here)."""
         self.closed = True
+        for task in self._lookups:
+            task.cancel()
         self.links.close()
         if self.handoffs is not None:
             self.handoffs.close()
@@ -531,7 +583,10 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             self._found: Found | None = None
             """What the passthrough read of the request uvicorn's parser is given next."""
             self._moving: bytes | None = None
-            """The request of this connection while it is being moved (handoff.py)."""
+            """The request of this connection while it is being moved (handoff.py), or
+            while the claim store is asked who holds its session."""
+            self.looking: asyncio.Task[None] | None = None
+            """The lookup of `_moving`'s holder, while it runs (`Passthrough.start`)."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.raw_transport = transport
@@ -618,6 +673,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 if isinstance(spliced, _Moving):
                     self._moving = data
                     self.raw_transport.pause_reading()  # (the holder may read it already)
+                    self._unset_keepalive_if_required()  # (the wait is no idle time)
                     return
                 if spliced is not None:
                     self._unset_keepalive_if_required()
@@ -634,18 +690,38 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
         def kept(self) -> None:
             """The holder did not take this connection: its request is served from here,
             the copying way (its 410 and 503 rules answer it if the holder is gone)."""
+            if self._moving is not None:
+                passthrough.kept()
+                self._serve_held(None)
+
+        def looked_up(self, sent: _Spliced | _Moving | Found) -> None:
+            """The claim store named the holder of the request this connection waits
+            with: it was spliced, or its connection is moving, or (`Found`, what the
+            passthrough read of it, the holder included) it is served from here."""
+            if isinstance(sent, _Spliced):
+                self._moving = None
+                self._spliced = sent
+                self.raw_transport.resume_reading()
+            elif isinstance(sent, Found):
+                self._serve_held(sent)
+            # (MOVING: it waits on, for `moved` or `kept`)
+
+        def _serve_held(self, found: Found | None) -> None:
+            """Serve the request this connection waited with (`_moving`) the way of a
+            request the passthrough does not take."""
             data, self._moving = self._moving, None
-            if data is None:
-                return
-            passthrough.kept()
-            if self.raw_transport.is_closing():  # (closed meanwhile: nothing to answer on)
+            if data is None or self.raw_transport.is_closing():  # (nothing to answer on)
                 return
             if passthrough.closed:  # this worker has stopped serving: nothing serves it
                 self.raw_transport.write(passthrough.stopping(self.server_state.default_headers))
                 self.raw_transport.close()
                 return
             self.raw_transport.resume_reading()
-            super().data_received(data + self._take_held())
+            self._found = found  # (its message begins within this call)
+            try:
+                super().data_received(data + self._take_held())
+            finally:
+                self._found = None
             if self._closing:
                 super().shutdown()
 
@@ -694,6 +770,9 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             self._next(True)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self.looking is not None:
+                self.looking.cancel()
+                self.looking = None
             spliced, self._spliced = self._spliced, None
             if spliced is not None:
                 passthrough.finished(spliced, 0, False)  # closes the link: the holder sees it

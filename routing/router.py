@@ -279,7 +279,11 @@ class Router:
         scope[ROUTER_KEY] = self
         where = self.destination_now(session_id, found.worker, forwarded)
         if where is LATER:
-            where = await self.destination(session_id, found.worker, forwarded)
+            located = found.located
+            where = await self.destination(
+                session_id, found.worker, forwarded,
+                located[1] if located is not None and located[0] == session_id else LATER,
+            )
         if where is None:
             await self._serve(session_id, found, facts, scope, receive, send, forwarded)
         elif isinstance(where, TetherError):
@@ -289,20 +293,25 @@ class Router:
             await self._timed_forward(where, scope, receive, send, body, gone)
 
     async def destination(
-        self, session_id: SessionId | None, named: str | None, forwarded: bool
+        self, session_id: SessionId | None, named: str | None, forwarded: bool,
+        located: WorkerId | TetherError | Later | None = LATER,
     ) -> WorkerId | TetherError | None:
         """Where a request or a WebSocket handshake goes (SPEC 4.2): None to serve it
         here, the live worker to forward it to, or the error that refuses it. The one
-        place a routing decision is made."""
+        place a routing decision is made. `located`: the session's claimant (or the
+        store's error) as the passthrough just looked it up (`passthrough_located`)."""
         where = self.destination_now(session_id, named, forwarded)
         if where is not LATER:
             return where
         assert session_id is not None
-        try:
-            owner = await self._locate(session_id)
-        except TetherError as error:
-            return error
-        return self._to_owner(session_id, owner)
+        if located is LATER:
+            try:
+                located = await self._locate(session_id)
+            except TetherError as error:
+                return error
+        if isinstance(located, TetherError):
+            return located
+        return self._to_owner(session_id, located)
 
     def destination_now(
         self, session_id: SessionId | None, named: str | None, forwarded: bool
@@ -347,13 +356,14 @@ class Router:
             return session_gone(session_id)
         return TetherError("claimant_unavailable", f"worker {owner} is not known to be live yet")
 
-    def passthrough_target(self, scope: Scope) -> WorkerId | None:
+    def passthrough_target(self, scope: Scope) -> WorkerId | Later | None:
         """The worker of this host whose private socket the passthrough (front.py) may
         send a request with this head to: the live one that holds its session, when that
         is known without waiting (this worker's memory, a claim file, the placed-session
-        table); the session's ID is then in the scope. None: the request goes through
-        `__call__`, where `destination` decides as for any request. What `find` made of
-        the head, once read, is in the scope under `FOUND_KEY`."""
+        table); the session's ID is then in the scope. LATER: only the claim store can
+        tell (a cluster's Redis), and `passthrough_located` asks it. None: the request
+        goes through `__call__`, where `destination` decides as for any request. What
+        `find` made of the head, once read, is in the scope under `FOUND_KEY`."""
         kind, claims = self.kind, self.claims
         if kind is None or claims is None:
             return None
@@ -371,9 +381,30 @@ class Router:
         except TetherError:
             return None
         if owner is LATER:
-            return None
+            return LATER
         if owner is None:
             owner = self.tables.placed.get(session_id)
+        return self._passable(scope, session_id, owner)
+
+    async def passthrough_located(self, scope: Scope) -> WorkerId | None:
+        """`passthrough_target` for a request it answered LATER, once the claim store
+        has: by the same rule. The claimant found, or the store's error (the request
+        then goes the router's way), goes into the request's `Found`, so that the router
+        goes by it (`destination`) and does not ask the store a second time."""
+        found: Found = scope[FOUND_KEY]
+        session_id = found.session_id
+        assert session_id is not None
+        try:
+            owner = await self._locate(session_id)
+        except TetherError as error:
+            found.located = (session_id, error)
+            return None
+        found.located = (session_id, owner)
+        return self._passable(scope, session_id, owner)
+
+    def _passable(
+        self, scope: Scope, session_id: SessionId, owner: WorkerId | None
+    ) -> WorkerId | None:
         where = self._to_owner(session_id, owner)
         if not isinstance(where, str) or where in self.tables.addresses:
             return None  # refused, served here, or another host's worker

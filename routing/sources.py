@@ -27,7 +27,7 @@ from tether.routing.kinds import (
     WORKER,
     SessionKind,
 )
-from tether.routing.types import SessionId, session_id_or_none
+from tether.routing.types import SessionId, WorkerId, session_id_or_none
 
 MAX_BODY = 64 * 1024 * 1024
 
@@ -48,12 +48,16 @@ class Found:
     until: float = math.inf
     """Until when (`time.monotonic`) this reading of the request holds: its cookie's
     signature check is remembered only so long (`CookieCodec.read`)."""
+    located: tuple[SessionId, WorkerId | TetherError | None] | None = None
+    """A session's claimant as the passthrough looked it up in the claim store (front.py),
+    or the error the store gave, for the router to go by if the request is left to it,
+    rather than ask again."""
 
     def copy(self) -> Found:
         """Another reading of the same head (its `cookie_session` shared: read only)."""
         return Found(
             self.session_id, self.cookie_session, self.cookie_id, self.worker,
-            self.close_follows, self.content_length, self.hop, self.until,
+            self.close_follows, self.content_length, self.hop, self.until, self.located,
         )
 
 

@@ -4,7 +4,7 @@ A session is seeded on one worker (`POST /seed_session`); `GET /echo` with its c
 then served by that worker wherever it lands, and answers the worker, the scope's scheme,
 root path, path and client, a `url_for`, and `$ECHO_FROM_ENV_FILE`. `GET /slow?s=N`
 sleeps N seconds after dropping a marker file into `$TETHER_E2E_MARKERS`; `GET /boom`
-raises.
+raises; `GET /health` answers 200 (what a cluster's tests ask every worker).
 `create_app` is the same app as a factory.
 """
 
@@ -53,6 +53,10 @@ async def echo(request: Request) -> JSONResponse:
     return JSONResponse(_seen(request))
 
 
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({"ok": True})
+
+
 async def boom(request: Request) -> JSONResponse:
     raise RuntimeError("the route failed on purpose")
 
@@ -75,6 +79,7 @@ def create_app() -> Starlette:
             Route("/echo", echo, name="echo"),
             Route("/slow", slow),
             Route("/boom", boom),
+            Route("/health", health),
         ],
         middleware=[Middleware(SessionMiddleware, secret_key=SECRET)],
     )

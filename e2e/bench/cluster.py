@@ -14,8 +14,8 @@ and two hosts of one service, each a real `tether serve tether.examples.counter:
 one session on h1 and times `GET /count` for it three ways:
 
     direct      a connection h1's holder of the session accepted: no hop
-    same_host   a connection h1's other worker accepted: forwarded over the holder's
-                private Unix socket (SPEC 4.5)
+    same_host   a connection h1's other worker accepted: passed through to the holder's
+                private Unix socket (routing/front.py, SPEC 4.5)
     cross_host  a connection a worker of h2 accepted: forwarded over TCP to the holder's
                 hop listener, signed (`x-tether-hop`, SPEC 12)
 
@@ -25,12 +25,17 @@ the hop; what `cross_host` adds over `same_host` is the hop's difference alone.
 
 First pass, the hop alone: one kept-alive client connection per variant, one request on
 each per round in an order that rotates every round (as in `e2e/bench/routing.py`), from
-blocking sockets in this process. The status routes' `forwarded` counters tell which
-worker received each connection and check afterwards that every request went as meant.
+blocking sockets in this process. Each connection's first request names no session, so
+that none of them moves (a connection whose first request is for a session of another
+worker of its host moves to that worker: routing/handoff.py). The status routes'
+`forwarded` counters tell which worker received each connection and check afterwards
+that every request went as meant.
 Second pass, what a client behind a load balancer with no session affinity sees: every
-request on a new TCP connection (connect included in its time), alternately to h1 and to
-h2; a request to h1 is `direct` or `same_host` depending on the worker that accepted it,
-found from /proc before the connection closes (`e2e.harness.Connection.owner`).
+request on a new TCP connection, alternately to h1 and to h2; a request to h1 is
+`direct` or `same_host` depending on the worker that accepted it, found from /proc
+(`e2e.harness.Connection.owner`) once it has, before the request is sent (a `same_host`
+connection moves to the holder with that request). Its time runs from the request's
+first byte to the reply's last: the connect and the accept are not timed.
 
 Then, the hosts up and idle, the lookup of another worker's session (the seeded one, as
 its holder claimed it): `RedisClaimStore.claimant` (tether.cluster.claims, on a client
@@ -105,6 +110,7 @@ DOC = REPO / "docs" / "benchmarks.md"
 COMMAND = ".venv/bin/python -m e2e.bench.cluster"
 SECTION = "## Several hosts (issue #16)"
 
+NO_SESSION = http_request("GET", "/health", {})
 HOSTS = {"h1": "127.0.0.2", "h2": "127.0.0.3"}
 WORKERS = 2
 VARIANTS = ("direct", "same_host", "cross_host")
@@ -260,6 +266,7 @@ async def kept_alive(
     async def place(host: Host) -> None:
         client = HostClient(*host.server.host_port)
         stack.callback(client.close)
+        json_reply(client, NO_SESSION)  # (so that the connection never moves)
         before = await workers_of(setup.cluster, host)
         _, reply = json_reply(client, setup.request)
         after = await workers_of(setup.cluster, host)
@@ -305,10 +312,12 @@ def tcp_states(address: str) -> dict[str, int]:
 async def fresh(
     setup: Setup, rounds: int, pids: dict[str, int]
 ) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Nanoseconds per request, each on a new connection (connect to reply), to h1 and
-    h2 in turn; an h1 request is `direct` if the holder accepted it, else `same_host`.
-    Also how many requests of each variant were sent, the warm-up rounds' included."""
+    """Nanoseconds per request, each on a new connection (from its first byte to the
+    reply's last, once accepted), to h1 and h2 in turn; an h1 request is `direct` if the
+    holder accepted it, else `same_host`. Also how many requests of each variant were
+    sent, the warm-up rounds' included."""
     h1_pids = [pids[worker] for worker, host in setup.owners.items() if host == "h1"]
+    h2_pids = [pids[worker] for worker, host in setup.owners.items() if host == "h2"]
     holder_pid = pids[setup.holder]
     samples: dict[str, list[int]] = {name: [] for name in VARIANTS}
     sent = dict.fromkeys(VARIANTS, 0)
@@ -319,17 +328,19 @@ async def fresh(
     try:
         for index in range(FRESH_WARMUP + rounds):
             for host in (setup.h1, setup.h2) if index % 2 else (setup.h2, setup.h1):
-                started = clock()
                 connection = await Connection.open(*host.server.host_port)
                 try:
-                    reply = await connection.request("GET", "/count", headers=headers)
-                    elapsed = clock() - started
-                    if reply.status != 200 or reply.json["worker"] != setup.holder:
-                        raise RuntimeError(f"unexpected reply from {host.host_id}: {reply!r}")
                     name = "cross_host"
                     if host is setup.h1:
                         pid = await connection.owner(h1_pids)
                         name = "direct" if pid == holder_pid else "same_host"
+                    else:
+                        await connection.owner(h2_pids)  # (timed alike: once accepted)
+                    started = clock()
+                    reply = await connection.request("GET", "/count", headers=headers)
+                    elapsed = clock() - started
+                    if reply.status != 200 or reply.json["worker"] != setup.holder:
+                        raise RuntimeError(f"unexpected reply from {host.host_id}: {reply!r}")
                 finally:
                     await connection.close()
                 sent[name] += 1
@@ -719,7 +730,8 @@ def table(result: dict[str, Any]) -> str:
     ]
     lines = ["Kept-alive connections (the hop alone):", "", *header]
     lines += _variant_rows(kept["variants"], dict.fromkeys(VARIANTS, kept["rounds"]))
-    lines += ["", "A new connection per request (connect included):", "", *header]
+    lines += ["", "A new connection per request (once accepted; the connect not timed):", "",
+              *header]
     lines += _variant_rows(new["variants"], new["counts"])
     target = result["target"]
     lines += [

@@ -225,22 +225,28 @@ def run(
                      "uvicorn, one session per connection": []})
     exits: list[int] = []
     ticks_before = cpu_ticks()
+    def tether_round(one_session: bool) -> dict[str, Any]:
+        tether = start_tether(log_dir, APP, WORKERS, ("--log-format", "json",
+                                                      "--no-access-log"))
+        try:
+            before = outcomes(tether)
+            result = drive(tether.port, seconds, cookie_file, tether.process.pid, one_session)
+            result["forwarded_fraction"] = forwarded_fraction(before, outcomes(tether))
+            return result
+        finally:
+            exits.append(stop(tether.process))
+
+    def uvicorn_round(one_session: bool) -> dict[str, Any]:
+        plain, port = start_uvicorn(log_dir)
+        try:
+            return drive(port, seconds, cookie_file, plain.pid, one_session)
+        finally:
+            exits.append(stop(plain))
+
     try:
         for _ in range(rounds):
-            tether = start_tether(log_dir, APP, WORKERS, ("--log-format", "json",
-                                                          "--no-access-log"))
-            try:
-                before = outcomes(tether)
-                result = drive(tether.port, seconds, cookie_file, tether.process.pid)
-                result["forwarded_fraction"] = forwarded_fraction(before, outcomes(tether))
-                runs["tether"].append(result)
-            finally:
-                exits.append(stop(tether.process))
-            plain, port = start_uvicorn(log_dir)
-            try:
-                runs["uvicorn"].append(drive(port, seconds, cookie_file, plain.pid))
-            finally:
-                exits.append(stop(plain))
+            runs["tether"].append(tether_round(False))
+            runs["uvicorn"].append(uvicorn_round(False))
             for name, command in floors.items():
                 floor, port = start_floor(log_dir, command)
                 try:
@@ -248,21 +254,8 @@ def run(
                 finally:
                     exits.append(stop(floor))
             if sticky:
-                tether = start_tether(log_dir, APP, WORKERS, ("--log-format", "json",
-                                                              "--no-access-log"))
-                try:
-                    before = outcomes(tether)
-                    result = drive(tether.port, seconds, cookie_file, tether.process.pid, True)
-                    result["forwarded_fraction"] = forwarded_fraction(before, outcomes(tether))
-                    runs["tether, one session per connection"].append(result)
-                finally:
-                    exits.append(stop(tether.process))
-                plain, port = start_uvicorn(log_dir)
-                try:
-                    runs["uvicorn, one session per connection"].append(
-                        drive(port, seconds, cookie_file, plain.pid, True))
-                finally:
-                    exits.append(stop(plain))
+                runs["tether, one session per connection"].append(tether_round(True))
+                runs["uvicorn, one session per connection"].append(uvicorn_round(True))
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     ticks_after = cpu_ticks()
