@@ -827,6 +827,12 @@ async def test_on_a_cluster_a_request_whose_lookup_waits_on_a_paused_redis_is_an
         # Redis would keep the request twice as long.
         one_lookup = 2 * REDIS_TIMEOUT_S
         assert waited < 1.5 * one_lookup, f"{waited:.1f} s: Redis was asked twice"
+        # Its access line counts the wait (it began when the passthrough took it).
+        refused = await eventually(
+            lambda: [r for r in host.server.logs()
+                     if r.get("event") == "request" and r.get("status") == 503],
+            10, "the refusal's access line")
+        assert refused[0]["ms"] >= 0.9 * one_lookup * 1000, refused
 
         async def answered() -> bool:
             raw.write(get("/echo", cookie))
@@ -838,11 +844,14 @@ async def test_on_a_cluster_a_request_whose_lookup_waits_on_a_paused_redis_is_an
         await raw.close()
 
 
-async def test_on_a_cluster_a_client_that_leaves_while_its_lookup_waits_leaves_nothing_behind(
+async def test_on_a_cluster_a_client_that_leaves_while_its_lookup_waits_is_never_served(
     cluster: Cluster, redis_server: RedisServer,
 ) -> None:
+    """The connection is read while its request waits for Redis, so a client that leaves
+    then ends the wait: the request goes nowhere once Redis answers again."""
     host = await one_host(cluster)
     cookie, holder, other, raw = await across(host.server, f"left-{run_id()}")
+    before = await workers(host.server)
     redis_server.pause()
     try:
         raw.write(get("/echo", cookie))
@@ -851,7 +860,10 @@ async def test_on_a_cluster_a_client_that_leaves_while_its_lookup_waits_leaves_n
         await asyncio.sleep(0.3)
     finally:
         redis_server.resume()
+    await asyncio.sleep(REDIS_TIMEOUT_S)  # (what a lookup left running would have taken)
     lines = await workers(host.server)
+    assert lines[other]["forwarded"] == before[other]["forwarded"], "it was sent on"
+    assert lines[holder]["served_forwarded"] == before[holder]["served_forwarded"]
     raw = await raw_on(host.server, lines, other)
     try:
         seen = await echoes(raw, cookie, 2)
@@ -860,3 +872,24 @@ async def test_on_a_cluster_a_client_that_leaves_while_its_lookup_waits_leaves_n
     assert {s["worker"] for s in seen} == {holder}
     errors = [r for r in host.server.logs() if r.get("level") in ("error", "critical")]
     assert not errors, errors
+
+
+async def test_on_a_cluster_a_request_whose_lookup_waits_when_the_server_stops_is_answered(
+    cluster: Cluster, redis_server: RedisServer,
+) -> None:
+    """A SIGTERM while a request waits for a paused Redis, past the graceful timeout: the
+    wait is given up and the request answered 503, not dropped unanswered."""
+    host = await one_host(cluster, "--timeout-graceful-shutdown", "1")
+    cookie, _, _, raw = await across(host.server, f"stopping-{run_id()}")
+    redis_server.pause()
+    try:
+        raw.write(get("/echo", cookie))
+        await asyncio.sleep(0.3)  # the lookup waits on Redis
+        host.server.terminate()
+        status, _, body = await raw.reply()
+    finally:
+        redis_server.resume()
+        await raw.close()
+    assert status == 503, body
+    assert body["code"] in ("claimant_unavailable", "cluster_unavailable"), body
+    assert await host.server.exit_code() == 0

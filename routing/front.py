@@ -28,9 +28,9 @@ router does not read its session from the head a second time.
 
 On a cluster, where a session's holder is known only once Redis answers, a request for
 a session not held here waits for the router's lookup (`Router.passthrough_located`), the
-connection unread meanwhile as during a move, and then goes on as on one host; what the
-lookup found goes with a request left to the router (`Found.located`), so that it is not
-looked up twice.
+connection still read meanwhile (so that a client that leaves ends the wait), and then
+goes on as on one host; what the lookup found goes with a request left to the router
+(`Found.located`), so that it is not looked up twice.
 
 A connection's first request is not spliced but handed off when it can be (handoff.py):
 the connection itself moves to the holder, whose `FrontProtocol` then serves it as if it
@@ -416,6 +416,8 @@ class Passthrough:
             found: Found | None = scope.get(FOUND_KEY)
             return found
         if target is LATER:
+            if self.closed:
+                return None
             task = asyncio.get_running_loop().create_task(
                 self._look_up(front, data, read, first, started), name="tether-passthrough"
             )
@@ -429,20 +431,27 @@ class Passthrough:
         self, front: Any, data: bytes, read: _Head, first: bool, started: float
     ) -> None:
         """Wait for the claim store to name the request's holder, then send the request
-        on as `start` would have; `front` is told what came of it."""
+        on as `start` would have; `front` is told what came of it (cancelled by `close`,
+        that this worker has stopped)."""
         sent: _Spliced | _Moving | None = None
+        found: Found = read.scope[FOUND_KEY]
         try:
             target = await self.router.passthrough_located(read.scope)
             if front.raw_transport.is_closing():
                 return
             if target is not None:
-                sent = self._send(front, data, read, target, first, started)
+                # Bytes read meanwhile are this worker's: the connection no longer moves.
+                sent = self._send(front, data, read, target, first and not front.read_on,
+                                  started)
+        except asyncio.CancelledError:
+            if self.closed:
+                front.looked_up(None, found, started)  # (answered 503: nothing serves it)
+            raise
         except Exception:  # (as in `start`): the router's way answers it
             log.exception("passthrough_failed")
         finally:
             front.looking = None
-        found: Found = read.scope[FOUND_KEY]
-        front.looked_up(found if sent is None else sent)
+        front.looked_up(sent, found, started)
 
     def _send(
         self, front: Any, data: bytes, read: _Head, target: WorkerId, first: bool,
@@ -586,7 +595,11 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             """The request of this connection while it is being moved (handoff.py), or
             while the claim store is asked who holds its session."""
             self.looking: asyncio.Task[None] | None = None
-            """The lookup of `_moving`'s holder, while it runs (`Passthrough.start`)."""
+            """The lookup of `_moving`'s holder, while it runs (`Passthrough.start`); the
+            connection is read meanwhile, so that a client that leaves cancels it."""
+            self._moving_found: Found | None = None
+            """What the lookup found for a request whose move it started, for the
+            copying way should the move be refused."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.raw_transport = transport
@@ -672,7 +685,8 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                     return
                 if isinstance(spliced, _Moving):
                     self._moving = data
-                    self.raw_transport.pause_reading()  # (the holder may read it already)
+                    if spliced is MOVING:
+                        self.raw_transport.pause_reading()  # (the holder may read it already)
                     self._unset_keepalive_if_required()  # (the wait is no idle time)
                     return
                 if spliced is not None:
@@ -683,6 +697,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
 
         def moved(self) -> None:
             """The holder took this connection (handoff.py)."""
+            self._moving_found = None
             if self._moving is not None:
                 self._moving = None
                 self.raw_transport.abort()  # our descriptor only: the holder has its own
@@ -690,21 +705,32 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
         def kept(self) -> None:
             """The holder did not take this connection: its request is served from here,
             the copying way (its 410 and 503 rules answer it if the holder is gone)."""
+            found, self._moving_found = self._moving_found, None
             if self._moving is not None:
                 passthrough.kept()
-                self._serve_held(None)
+                self._serve_held(found)
 
-        def looked_up(self, sent: _Spliced | _Moving | Found) -> None:
-            """The claim store named the holder of the request this connection waits
-            with: it was spliced, or its connection is moving, or (`Found`, what the
-            passthrough read of it, the holder included) it is served from here."""
+        @property
+        def read_on(self) -> bool:
+            """Bytes of a later request came while this connection's request waited."""
+            return bool(self._held)
+
+        def looked_up(
+            self, sent: _Spliced | _Moving | None, found: Found, started: float
+        ) -> None:
+            """The claim store was asked, since `started`, who holds the session of the
+            request this connection waits with: the request was spliced, or its
+            connection is moving, or (None) it is served from here, the router going by
+            what the passthrough read of it (`found`, the holder included)."""
+            found.since = started
             if isinstance(sent, _Spliced):
                 self._moving = None
                 self._spliced = sent
-                self.raw_transport.resume_reading()
-            elif isinstance(sent, Found):
-                self._serve_held(sent)
-            # (MOVING: it waits on, for `moved` or `kept`)
+            elif sent is None:
+                self._serve_held(found)
+            else:  # moving: it waits on, not read, for `moved` or `kept`
+                self.raw_transport.pause_reading()
+                self._moving_found = found
 
         def _serve_held(self, found: Found | None) -> None:
             """Serve the request this connection waited with (`_moving`) the way of a

@@ -191,7 +191,9 @@ class Router:
         self, scope: Scope, receive: Receive, send: Send, forwarded: bool, path: str
     ) -> None:
         """`_route`, with the request's access log line once it ends."""
-        started = time.perf_counter()
+        found: Found | None = scope.get(FOUND_KEY)
+        since = None if found is None else found.since
+        started = time.perf_counter() if since is None else since
         status = 0
 
         async def logged_send(message: Message) -> None:

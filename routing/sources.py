@@ -52,12 +52,16 @@ class Found:
     """A session's claimant as the passthrough looked it up in the claim store (front.py),
     or the error the store gave, for the router to go by if the request is left to it,
     rather than ask again."""
+    since: float | None = None
+    """When (`time.perf_counter`) the passthrough took a request it then left to the
+    router, having waited for a lookup: where the request's time starts."""
 
     def copy(self) -> Found:
         """Another reading of the same head (its `cookie_session` shared: read only)."""
         return Found(
             self.session_id, self.cookie_session, self.cookie_id, self.worker,
             self.close_follows, self.content_length, self.hop, self.until, self.located,
+            self.since,
         )
 
 
