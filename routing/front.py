@@ -326,7 +326,8 @@ class _Spliced:
     `tether_forward_seconds` need."""
 
     __slots__ = (
-        "data", "front", "link", "method", "path", "sent", "session_id", "started", "target",
+        "data", "found", "front", "link", "method", "path", "sent", "session_id", "started",
+        "target",
     )
 
     def __init__(
@@ -339,6 +340,8 @@ class _Spliced:
         self.method: str = scope["method"]
         self.path: str = scope["path"]
         self.session_id: str | None = scope.get(SCOPE_KEY)
+        self.found: Found | None = scope.get(FOUND_KEY)
+        """What the passthrough read of it, for the copying way should it be sent again."""
         self.target = target
         self.started = started
         self.sent = False
@@ -786,7 +789,13 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 self.transport.abort()
                 return
             if passthrough.retry(spliced):
-                super().data_received(spliced.data + self._take_held())
+                found = self._found = spliced.found  # (its message begins within this call)
+                if found is not None:
+                    found.since = spliced.started
+                try:
+                    super().data_received(spliced.data + self._take_held())
+                finally:
+                    self._found = None
                 if self._closing:
                     super().shutdown()
                 return

@@ -54,7 +54,7 @@ class Found:
     rather than ask again."""
     since: float | None = None
     """When (`time.perf_counter`) the passthrough took a request it then left to the
-    router, having waited for a lookup: where the request's time starts."""
+    router (after waiting for a lookup, or a link that failed): where its time starts."""
 
     def copy(self) -> Found:
         """Another reading of the same head (its `cookie_session` shared: read only)."""
