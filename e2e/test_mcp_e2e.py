@@ -252,10 +252,13 @@ async def test_60_sdk_clients_on_4_workers_all_get_their_own_answers(
 
 
 async def test_the_same_server_under_plain_uvicorn_loses_its_sessions() -> None:
-    # The control: without tether the test above fails, so its passing is not luck.
+    # The control: without tether the test above fails, so its passing is not luck. Most
+    # sessions go wrong, not all: the kernel hands a burst of new connections to the
+    # worker that waits in accept, so some sessions' calls all land on one (8 of 60 in a
+    # CI run with another test process beside it).
     with plain_uvicorn(4) as url:
         outcomes = await run_sessions(f"{url}/mcp", SESSIONS)
-    assert right(outcomes) <= SESSIONS // 10, right(outcomes)
+    assert right(outcomes) < SESSIONS // 2, right(outcomes)
     assert any(o.ended for o in outcomes), errors(outcomes)
 
 
