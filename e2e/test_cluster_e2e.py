@@ -775,8 +775,8 @@ async def test_on_a_cluster_requests_of_another_workers_session_pass_through_one
     after = await workers(host.server)
     assert after[other]["passed_through"] - before[other]["passed_through"] == 10
     assert after[holder]["served_forwarded"] - before[holder]["served_forwarded"] == 10
-    # One lookup a request; the hosts' own refreshes may add a few.
-    assert 10 <= lookups <= 14, lookups
+    # One lookup a request (two would be 20); the hosts' own refreshes add a few `GET`s.
+    assert 10 <= lookups < 20, lookups
 
 
 async def test_on_a_cluster_a_session_of_another_hosts_worker_is_looked_up_once_a_request(
@@ -800,7 +800,7 @@ async def test_on_a_cluster_a_session_of_another_hosts_worker_is_looked_up_once_
     finally:
         await raw.close()
     lookups = await gets(redis_server) - lookups
-    assert 10 <= lookups <= 14, f"{lookups} lookups for 10 requests"
+    assert 10 <= lookups < 20, f"{lookups} lookups for 10 requests (refreshes add a few)"
 
 
 async def test_on_a_cluster_a_request_whose_lookup_waits_on_a_paused_redis_is_answered_503(

@@ -364,8 +364,8 @@ class _Spliced:
 class _Moving:
     """What `Passthrough.start` returns for a connection it is handing to the holder
     (handoff.py), or whose request waits for the claim store to name its session's
-    holder: the connection waits, not read, for the answer (`moved`, `kept`,
-    `looked_up`)."""
+    holder: the connection holds its request for the answer (`moved` or `kept`, not read
+    meanwhile; `looked_up`, read on)."""
 
 
 MOVING = _Moving()
@@ -680,11 +680,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                     log.exception("passthrough_failed")
                     spliced = None
                 if isinstance(spliced, Found):
-                    self._found = spliced  # (its message begins within this call)
-                    try:
-                        super().data_received(data)
-                    finally:
-                        self._found = None
+                    self._parse(data, spliced)
                     return
                 if isinstance(spliced, _Moving):
                     self._moving = data
@@ -697,6 +693,15 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                     self._spliced = spliced
                     return
             super().data_received(data)
+
+        def _parse(self, data: bytes, found: Found | None) -> None:
+            """Give `data` to uvicorn's parser, the router taking `found` (what the
+            passthrough read of it) along with the request whose message begins first."""
+            self._found = found  # (its message begins within this call)
+            try:
+                super().data_received(data)
+            finally:
+                self._found = None
 
         def moved(self) -> None:
             """The holder took this connection (handoff.py)."""
@@ -746,11 +751,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 self.raw_transport.close()
                 return
             self.raw_transport.resume_reading()
-            self._found = found  # (its message begins within this call)
-            try:
-                super().data_received(data + self._take_held())
-            finally:
-                self._found = None
+            self._parse(data + self._take_held(), found)
             if self._closing:
                 super().shutdown()
 
@@ -789,13 +790,9 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 self.transport.abort()
                 return
             if passthrough.retry(spliced):
-                found = self._found = spliced.found  # (its message begins within this call)
-                if found is not None:
-                    found.since = spliced.started
-                try:
-                    super().data_received(spliced.data + self._take_held())
-                finally:
-                    self._found = None
+                if spliced.found is not None:
+                    spliced.found.since = spliced.started
+                self._parse(spliced.data + self._take_held(), spliced.found)
                 if self._closing:
                     super().shutdown()
                 return
