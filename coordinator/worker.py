@@ -381,10 +381,10 @@ class TetherWorker:
             None if dead is None else [WorkerId(w) for w in dead],
         )
         self._hop_addresses.update(tables.addresses)
-        if tables.dead is not None and self.routing.forwarder is not None:
+        if tables.dead is not None:
             # Another host's worker now dead: what waits on it ends with 410.
             seen = self._hop_addresses
-            self.routing.forwarder.set_gone(seen[w] for w in tables.dead if w in seen)
+            self.routing.set_gone(frozenset(seen[w] for w in tables.dead if w in seen))
         lease = body.get("lease_until")
         if isinstance(lease, int | float) and self.routing.claims is not None:
             self.routing.claims.lease_until = float(lease)

@@ -779,28 +779,94 @@ async def test_on_a_cluster_requests_of_another_workers_session_pass_through_one
     assert 10 <= lookups < 20, lookups
 
 
-async def test_on_a_cluster_a_session_of_another_hosts_worker_is_looked_up_once_a_request(
-    cluster: Cluster, redis_server: RedisServer,
-) -> None:
-    """Left to the router (another host's worker is reached over TCP), the request goes
-    by what the passthrough's lookup found, not by a second one."""
+def links_to(address: str) -> set[int]:
+    """The local ports of the established TCP connections to `address` (`host:port`,
+    IPv4) from this machine (`/proc/net/tcp`): each one link or pooled connection."""
+    host, port = address.rsplit(":", 1)
+    remote = f"{socket.inet_aton(host)[::-1].hex().upper()}:{int(port):04X}"
+    ports = set()
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if fields[2] == remote and fields[3] == "01":
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+async def two_hosts(cluster: Cluster) -> tuple[Host, Host, str, str, str]:
+    """Two hosts of the echo app; a session seeded on the first: the hosts, its cookie,
+    its holder and that worker's hop listener (`host:port`)."""
     h1 = cluster.start("h1", ADDRESSES["h1"], WORKERS, app=ECHO)
     h2 = cluster.start("h2", ADDRESSES["h2"], WORKERS, app=ECHO)
     owners = await cluster.meshed({"h1": WORKERS, "h2": WORKERS})
     cookie, holder = await seed(h1.server, f"far-{run_id()}")
     assert owners[holder] == "h1"
+    record = await cluster.record("h1")
+    assert record is not None
+    return h1, h2, cookie, holder, record["workers"][holder]
+
+
+async def test_on_a_cluster_requests_of_another_hosts_session_pass_through_on_one_kept_link(
+    cluster: Cluster, redis_server: RedisServer,
+) -> None:
+    """The passthrough reaches a worker of another host on its hop listener, each request
+    signed and looked up once, on one TCP link kept alive from one request to the next;
+    a target with a fragment (which a signature of the request line cannot cover as the
+    listener reads it) goes the copying way and is answered as well."""
+    h1, h2, cookie, holder, hop = await two_hosts(cluster)
     lines = await workers(h2.server)
-    raw = await raw_on(h2.server, lines, next(iter(lines)))
-    lookups = await gets(redis_server)
+    receiver = next(iter(lines))
+    raw = await raw_on(h2.server, lines, receiver)
+    before, held, lookups = lines, await workers(h1.server), await gets(redis_server)
+    pooled, links = links_to(hop), set()
     try:
         for _ in range(10):
-            raw.write(get("/echo", cookie))
-            status, _, seen = await raw.reply()
-            assert (status, seen["worker"]) == (200, holder), seen
+            (seen,) = await echoes(raw, cookie, 1)
+            assert seen["worker"] == holder, seen
+            links |= links_to(hop) - pooled
+        lookups = await gets(redis_server) - lookups
+        raw.write(get("/echo#part", cookie))
+        status, _, seen = await raw.reply()
+        assert (status, seen["worker"], seen["path"]) == (200, holder, "/echo"), seen
     finally:
         await raw.close()
-    lookups = await gets(redis_server) - lookups
+    after = (await workers(h2.server))[receiver]
+    assert after["passed_through"] - before[receiver]["passed_through"] == 10
+    assert after["forwarded"] - before[receiver]["forwarded"] == 11
+    served = (await workers(h1.server))[holder]["served_forwarded"]
+    assert served - held[holder]["served_forwarded"] == 11
+    assert len(links) == 1, f"{len(links)} new links for 10 requests: {links}"
     assert 10 <= lookups < 20, f"{lookups} lookups for 10 requests (refreshes add a few)"
+
+
+async def test_on_a_cluster_a_session_of_a_killed_host_answers_503_before_its_record_expires(
+    cluster: Cluster,
+) -> None:
+    """A host killed while still listed: its hop listener refuses the passthrough's new
+    link, and the request is answered 503 `claimant_unavailable` from that refusal, the
+    router not trying to connect again (it forwards nothing)."""
+    h1, h2, cookie, holder, _ = await two_hosts(cluster)
+    lines = await workers(h2.server)
+    receiver = next(iter(lines))
+    raw = await raw_on(h2.server, lines, receiver)
+    try:
+        seen = await echoes(raw, cookie, 2)  # a link to the holder is kept
+        assert {s["worker"] for s in seen} == {holder}
+        before = (await workers(h2.server))[receiver]
+        os.killpg(h1.server.pid, signal.SIGKILL)
+        await h1.server.group_gone()
+        await asyncio.sleep(0.5)  # (the kept link's end is read)
+        raw.write(get("/echo", cookie))
+        status, headers, body = await raw.reply()
+    finally:
+        await raw.close()
+    assert (status, body["code"]) == (503, "claimant_unavailable"), body
+    assert "refused the connection" in body["detail"], body
+    assert any(name == "retry-after" for name, _ in headers), headers
+    after = (await workers(h2.server))[receiver]
+    assert after["forwarded"] == before["forwarded"], "the router tried it again"
+    assert await cluster.record("h1") is not None, "the record expired: not the case tested"
 
 
 async def test_on_a_cluster_a_request_whose_lookup_waits_on_a_paused_redis_is_answered_503(

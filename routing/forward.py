@@ -39,7 +39,9 @@ from tether.routing.hop import HOP_HEADER, signed_hop_value
 from tether.routing.hopsign import request_target
 from tether.routing.types import WorkerId
 
-__all__ = ["TCP", "ClaimantGone", "ClaimantUnavailable", "Forwarder", "Signer", "connect"]
+__all__ = [
+    "TCP", "ClaimantGone", "ClaimantUnavailable", "Forwarder", "Signer", "connect", "tcp_endpoint",
+]
 
 TCP = "tcp://"
 """How the address of a worker of another host starts (`tcp://host:port`)."""

@@ -12,9 +12,9 @@ read by `HeadReader` with httptools, the holder's own parser, and what each head
 is remembered.
 
 Everything else goes to uvicorn's protocol and the router as before, which forwards by
-copying what it must (forward.py): a request with no session, or this worker's, or
-another host's; a head or body that did not come in one read, or one that arrives while
-uvicorn's parser is inside another request; a body of unknown length; an upgrade
+copying what it must (forward.py): a request with no session, or this worker's; a head
+or body that did not come in one read, or one that arrives while uvicorn's parser is
+inside another request; a body of unknown length; an upgrade
 (WebSocket), `expect`, hop-by-hop headers (but `connection: keep-alive`, which is left
 out, and `connection: close`, which both ends then honour) or `forwarded`; a method
 other than GET, POST, PUT, PATCH, DELETE and OPTIONS; over `--limit-concurrency`; and one
@@ -30,7 +30,11 @@ On a cluster, where a session's holder is known only once Redis answers, a reque
 a session not held here waits for the router's lookup (`Router.passthrough_located`), the
 connection still read meanwhile (so that a client that leaves ends the wait), and then
 goes on as on one host; what the lookup found goes with a request left to the router
-(`Found.located`), so that it is not looked up twice.
+(`Found.located`), so that it is not looked up twice. A holder on another host is
+reached the same way on a kept-alive TCP link to its hop listener, connected in that
+wait if none is kept (`Links.connect`); the request is signed there (hopsign.py), a
+target with a fragment (which the listener reads without it) being left to the router,
+and its connection never moves.
 
 A connection's first request is not spliced but handed off when it can be (handoff.py):
 the connection itself moves to the holder, whose `FrontProtocol` then serves it as if it
@@ -67,8 +71,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tether.routing.at_once import ran_at_once
 from tether.routing.errors import TetherError
+from tether.routing.forward import ClaimantGone, ClaimantUnavailable
 from tether.routing.handoff import Handoffs
-from tether.routing.hop import HOP_HEADER, hop_value
+from tether.routing.hop import HOP_HEADER, hop_value, signed_hop_value
 from tether.routing.kinds import ANY_KIND_SLOTS, SessionKind
 from tether.routing.router import FOUND_KEY, HANDED_KEY, SCOPE_KEY, Router, session_gone
 from tether.routing.sources import Found, find
@@ -263,6 +268,19 @@ def _without_keep_alive(head: bytes) -> bytes:
     return _KEEP_ALIVE_LINE.sub(b"", head)
 
 
+def _signed_target(sent: bytes) -> str | None:
+    """The request target a hop listener's check reads (`hopsign.request_target`) of the
+    head `sent`, whose request line is sent as it is: the path, and `?` and the query
+    when there is one; None for a target with a fragment, which the listener's uvicorn
+    drops, so that its request is left to the router's forwarder."""
+    line = sent[: sent.find(b"\r\n")] if b"\r\n" in sent else sent
+    target = line.split(b" ")[1]
+    if b"#" in target:
+        return None
+    path, _, query = target.partition(b"?")
+    return (path + b"?" + query if query else path).decode("latin-1")
+
+
 class _HeaderLines:
     """uvicorn's default headers (`date`, `server`) as header lines; uvicorn replaces
     their list once a second, and the lines are made again only then."""
@@ -433,19 +451,29 @@ class Passthrough:
     async def _look_up(
         self, front: Any, data: bytes, read: _Head, first: bool, started: float
     ) -> None:
-        """Wait for the claim store to name the request's holder, then send the request
-        on as `start` would have; `front` is told what came of it (cancelled by `close`,
-        that this worker has stopped)."""
+        """Wait for the claim store to name the request's holder (and, for a worker of
+        another host with no link kept to it, for a link to connect), then send the
+        request on as `start` would have; `front` is told what came of it (cancelled by
+        `close`, that this worker has stopped)."""
         sent: _Spliced | _Moving | None = None
         found: Found = read.scope[FOUND_KEY]
         try:
             target = await self.router.passthrough_located(read.scope)
+            remote = None
+            if target is not None:
+                address = self.router.tables.addresses.get(target)
+                if address is not None:
+                    remote = await self._remote(address, target, read, found)
+                    if remote is None:
+                        target = None
             if front.raw_transport.is_closing():
+                if remote is not None:
+                    self.links.put(remote[0])
                 return
             if target is not None:
                 # Bytes read meanwhile are this worker's: the connection no longer moves.
                 sent = self._send(front, data, read, target, first and not front.read_on,
-                                  started)
+                                  started, remote)
         except asyncio.CancelledError:
             if self.closed:
                 front.looked_up(None, found, started)  # (answered 503: nothing serves it)
@@ -456,29 +484,70 @@ class Passthrough:
             front.looking = None
         front.looked_up(sent, found, started)
 
+    async def _remote(
+        self, address: str, target: WorkerId, read: _Head, found: Found
+    ) -> tuple[Link, str] | None:
+        """A link to another host's hop listener for `read` (a kept one, else a new
+        one), and the request's signature for it (hopsign.py). None leaves the request to
+        the router: one the passthrough cannot sign, one to a worker found dead while
+        its link connected (the router answers 410), or one whose link did not connect
+        (the error then goes into `found.located`, which the router answers as its
+        forwarder would have, without trying to connect again)."""
+        forwarder = self.router.forwarder
+        signer = None if forwarder is None else forwarder.signer
+        signed = _signed_target(read.sent)
+        if forwarder is None or signer is None or signed is None:
+            return None
+        link = self.links.idle(address)
+        try:
+            if link is None:
+                async with asyncio.timeout(forwarder.connect_timeout):
+                    link = await self.links.connect(address)
+        except ClaimantGone:
+            return None
+        except (ClaimantUnavailable, TimeoutError) as error:
+            reason = str(error) if isinstance(error, ClaimantUnavailable) else (
+                f"cannot connect to {address}: {error!r}"
+            )
+            located = found.located
+            if located is not None:
+                found.located = (located[0], TetherError("claimant_unavailable", reason))
+            return None
+        return link, signer(read.scope["method"], signed, target)
+
     def _send(
         self, front: Any, data: bytes, read: _Head, target: WorkerId, first: bool,
-        started: float,
+        started: float, remote: tuple[Link, str] | None = None,
     ) -> _Spliced | _Moving | None:
         """`start`'s sending, once the holder is known: a move, the request spliced, or
-        None if neither could begin at once."""
+        None if neither could begin at once. `remote`: the link to the hop listener of
+        `target`, a worker of another host, and the request's signature (`_remote`); its
+        connection never moves."""
         router = self.router
         scope = read.scope
-        if first and self.handoffs is not None and self.handoffs.send(
-            target, front.raw_transport.get_extra_info("socket").fileno(), data, front
-        ):
-            router.stats.forwarded += 1
-            router.stats.handed_off += 1
-            return MOVING
-        path = self._paths.get(target)
-        if path is None:
-            path = self._paths[target] = self.path_of(target)
         hop = front.hop_value(scope if read.proxied else None)
-        if hop is None:
-            return None
-        link = self.links.get(path)
-        if link is None:
-            return None
+        link: Link | None
+        if remote is not None:
+            link, signature = remote
+            if hop is None:
+                self.links.put(link)
+                return None
+            hop = signed_hop_value(signature, hop)
+        else:
+            if first and self.handoffs is not None and self.handoffs.send(
+                target, front.raw_transport.get_extra_info("socket").fileno(), data, front
+            ):
+                router.stats.forwarded += 1
+                router.stats.handed_off += 1
+                return MOVING
+            if hop is None:
+                return None
+            path = self._paths.get(target)
+            if path is None:
+                path = self._paths[target] = self.path_of(target)
+            link = self.links.get(path)
+            if link is None:
+                return None
         request = b"%s\r\n%s: %s\r\n\r\n%s" % (read.sent, HOP_HEADER, hop, read.body)
         spliced = _Spliced(front, link, data, scope, target, started)
         if not link.send(request, spliced):

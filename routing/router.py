@@ -390,9 +390,11 @@ class Router:
 
     async def passthrough_located(self, scope: Scope) -> WorkerId | None:
         """`passthrough_target` for a request it answered LATER, once the claim store
-        has: by the same rule. The claimant found, or the store's error (the request
-        then goes the router's way), goes into the request's `Found`, so that the router
-        goes by it (`destination`) and does not ask the store a second time."""
+        has: by the same rule, but that the worker may be another host's (the
+        passthrough then reaches its hop listener). The claimant found, or the store's
+        error (the request then goes the router's way), goes into the request's `Found`,
+        so that the router goes by it (`destination`) and does not ask the store a
+        second time."""
         found: Found = scope[FOUND_KEY]
         session_id = found.session_id
         assert session_id is not None
@@ -402,14 +404,15 @@ class Router:
             found.located = (session_id, error)
             return None
         found.located = (session_id, owner)
-        return self._passable(scope, session_id, owner)
+        return self._passable(scope, session_id, owner, other_hosts=True)
 
     def _passable(
-        self, scope: Scope, session_id: SessionId, owner: WorkerId | None
+        self, scope: Scope, session_id: SessionId, owner: WorkerId | None,
+        other_hosts: bool = False,
     ) -> WorkerId | None:
         where = self._to_owner(session_id, owner)
-        if not isinstance(where, str) or where in self.tables.addresses:
-            return None  # refused, served here, or another host's worker
+        if not isinstance(where, str) or (not other_hosts and where in self.tables.addresses):
+            return None  # refused, served here, or (unasked for) another host's worker
         scope[SCOPE_KEY] = session_id
         return where
 

@@ -1,10 +1,13 @@
-"""Links to other workers' private sockets for the passthrough (front.py): plain
-non-blocking sockets on the event loop, a request's bytes written once, the reply's bytes
-handed on as they arrive, parsed only to find where the reply ends.
+"""Links to other workers for the passthrough (front.py): plain non-blocking sockets on
+the event loop, a request's bytes written once, the reply's bytes handed on as they
+arrive, parsed only to find where the reply ends.
 
-A link is connected synchronously (a Unix socket connects at once or not at all), so a
-request never waits on a connect here: a holder that does not take the connection at
-once is left to the router's forwarder (forward.py), which knows how to wait and retry.
+A link to a private socket of this host is connected synchronously (a Unix socket
+connects at once or not at all), so a request never waits on a connect there: a holder
+that does not take the connection at once is left to the router's forwarder
+(forward.py), which knows how to wait and retry. A link to another host's hop listener
+(TCP) is connected by the task that already waits for the claim store's answer
+(`Links.connect`), and kept alive like the others.
 """
 
 from __future__ import annotations
@@ -16,12 +19,18 @@ from typing import Protocol
 
 import httptools
 
+from tether.routing.forward import ClaimantGone, ClaimantUnavailable, tcp_endpoint
+
 __all__ = ["Link", "Links", "Reader"]
 
 IDLE_S = 15.0
 """Idle links older than this are closed when next looked at (the private server keeps
 its side 75 s, so this side always closes first)."""
 _READ_SIZE = 1 << 16  # (a bigger buffer is allocated by mmap on every read)
+SEND_BUFFER = 1 << 17
+"""A TCP link's send buffer: the largest request the passthrough sends (64 KiB and its
+head) fits whole into it once empty, as `Link.send` needs, whatever a network's path
+would have grown the buffer to by then."""
 
 
 class Reader(Protocol):
@@ -62,6 +71,7 @@ class Link:
         """The current request went on a link kept from an earlier one."""
         self.got_bytes = False
         """The current request's reply has begun to arrive (perhaps unparseable)."""
+        pool.opened(self)
         # Watched for as long as it is open: an idle link that turns readable was closed.
         loop.add_reader(sock.fileno(), self._readable)
 
@@ -100,6 +110,13 @@ class Link:
             self.loop.remove_reader(self.sock.fileno())
         self.pool.forget(self)
         self.sock.close()
+
+    def fail(self) -> None:
+        """Close the link as if its peer had: a reply it waits for is lost."""
+        reader = self.reader
+        self.close()
+        if reader is not None:
+            reader.lost(self)
 
     def _readable(self) -> None:
         reader = self.reader
@@ -140,15 +157,18 @@ class Link:
 
 
 class Links:
-    """Idle links by private socket path."""
+    """Idle links by address: a private socket's path, or another host's hop listener's
+    `tcp://host:port`."""
 
     def __init__(self) -> None:
         self._idle: dict[str, list[Link]] = {}
+        self._open: dict[str, set[Link]] = {}
+        self._gone: frozenset[str] = frozenset()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def get(self, path: str) -> Link | None:
-        """An idle link to `path`, else a new one; None if none connects at once."""
-        idle = self._idle.get(path)
+    def idle(self, address: str) -> Link | None:
+        """An idle link to `address` kept from an earlier request, if one is fresh."""
+        idle = self._idle.get(address)
         now = time.monotonic()
         while idle:
             link = idle.pop()
@@ -156,6 +176,14 @@ class Links:
                 link.reused = True
                 return link
             link.close()  # (idle is the pool's own list: close's forget finds it gone)
+        return None
+
+    def get(self, path: str) -> Link | None:
+        """An idle link to the private socket `path`, else a new one; None if none
+        connects at once."""
+        link = self.idle(path)
+        if link is not None:
+            return link
         loop = self._loop
         if loop is None:  # (made before the loop runs; asking costs a system call)
             loop = self._loop = asyncio.get_running_loop()
@@ -168,16 +196,64 @@ class Links:
             return None
         return Link(sock, path, loop, self)
 
+    async def connect(self, address: str) -> Link:
+        """A new link to another host's hop listener (`address`, `tcp://host:port`),
+        TCP_NODELAY and `SEND_BUFFER` set; raises `ClaimantUnavailable` as the
+        forwarder's `connect` would (a refused connection included: only the live set
+        says a worker of another host is dead), `ClaimantGone` if the live set named it
+        dead meanwhile. The caller bounds the wait."""
+        loop = asyncio.get_running_loop()
+        host, port = tcp_endpoint(address)
+        sock: socket.socket | None = None
+        try:
+            (family, kind, proto, _, where), *_ = await loop.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            )
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            await loop.sock_connect(sock, where)
+            if address in self._gone:  # (while it connected): nothing is sent there
+                raise ClaimantGone(f"{address} is another host's worker known dead")
+        except BaseException as exc:  # (cancelled too: the wait ran out, or the worker stops)
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, ConnectionRefusedError):
+                raise ClaimantUnavailable(f"{address} refused the connection") from exc
+            if isinstance(exc, OSError):  # (a name that does not resolve, say)
+                raise ClaimantUnavailable(f"cannot connect to {address}: {exc!r}") from exc
+            raise
+        return Link(sock, address, loop, self)
+
     def put(self, link: Link) -> None:
         """A link whose reply is complete and that the private server keeps open."""
         link.idle_since = time.monotonic()
         self._idle.setdefault(link.path, []).append(link)
 
+    def opened(self, link: Link) -> None:
+        """A new link (until it closes, `set_gone` can end it)."""
+        self._open.setdefault(link.path, set()).add(link)
+
     def forget(self, link: Link) -> None:
-        """A link that closed: no longer idle."""
+        """A link that closed: no longer idle, nor open."""
         idle = self._idle.get(link.path)
         if idle and link in idle:
             idle.remove(link)
+        opened = self._open.get(link.path)
+        if opened is not None:
+            opened.discard(link)
+            if not opened:
+                del self._open[link.path]
+
+    def set_gone(self, addresses: frozenset[str]) -> None:
+        """The hop listeners of other hosts' workers known dead (the forwarder's
+        `set_gone`): a reply one of them owes is lost (the passthrough answers 410
+        before it began, cuts it after), and no new link to one is kept."""
+        for address in addresses - self._gone:
+            for link in list(self._open.get(address, ())):
+                link.fail()
+        self._gone = addresses
 
     def discard(self, path: str) -> None:
         for link in self._idle.pop(path, []):

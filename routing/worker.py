@@ -145,6 +145,15 @@ class RoutingWorker:
         assert self.runtime_dir is not None
         return socket_path(self.runtime_dir, worker)
 
+    def set_gone(self, addresses: frozenset[str]) -> None:
+        """The hop listeners of other hosts' workers now known dead: a request waiting
+        on one, copied or passed through, ends (410 before its reply began, a cut reply
+        after), and none is sent to one again."""
+        if self.forwarder is not None:
+            self.forwarder.set_gone(addresses)
+        if self.passthrough is not None:
+            self.passthrough.links.set_gone(addresses)
+
     async def listen_for_hops(self) -> str | None:
         """On a cluster, start the hop listener and return its `host:port`, which the
         worker registers. Safe before registering: no other host can name this worker

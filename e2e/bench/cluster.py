@@ -756,7 +756,7 @@ def table(result: dict[str, Any]) -> str:
             f"both ends counted: {states['before']['established']} established before the "
             f"new-connection pass, {states['after']['established']} after, "
             f"{states['after']['time_wait']} in TIME_WAIT"
-            + (": the forwarders' pools were reused." if reused else ": hops reconnected."),
+            + (": the hops' connections were reused." if reused else ": some hops reconnected."),
         ]
     cpu = kept["cpu_us_per_request"]
     lines += [
