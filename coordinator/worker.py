@@ -382,9 +382,12 @@ class TetherWorker:
         )
         self._hop_addresses.update(tables.addresses)
         if tables.dead is not None:
-            # Another host's worker now dead: what waits on it ends with 410.
-            seen = self._hop_addresses
-            self.routing.set_gone(frozenset(seen[w] for w in tables.dead if w in seen))
+            # Another host's worker now dead: what waits on it ends with 410. (A live
+            # worker listening where a dead one did, its port taken again, is not.)
+            seen, live_at = self._hop_addresses, set(tables.addresses.values())
+            self.routing.set_gone(frozenset(
+                seen[w] for w in tables.dead if w in seen and seen[w] not in live_at
+            ))
         lease = body.get("lease_until")
         if isinstance(lease, int | float) and self.routing.claims is not None:
             self.routing.claims.lease_until = float(lease)

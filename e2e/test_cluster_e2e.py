@@ -779,9 +779,12 @@ async def test_on_a_cluster_requests_of_another_workers_session_pass_through_one
     assert 10 <= lookups < 20, lookups
 
 
-def links_to(address: str) -> set[int]:
-    """The local ports of the established TCP connections to `address` (`host:port`,
-    IPv4) from this machine (`/proc/net/tcp`): each one link or pooled connection."""
+ESTABLISHED, CLOSE_WAIT = "01", "08"
+
+
+def links_to(address: str, state: str = ESTABLISHED) -> set[int]:
+    """The local ports of the TCP connections to `address` (`host:port`, IPv4) from this
+    machine in `state` (`/proc/net/tcp`): each one link or pooled connection."""
     host, port = address.rsplit(":", 1)
     remote = f"{socket.inet_aton(host)[::-1].hex().upper()}:{int(port):04X}"
     ports = set()
@@ -789,7 +792,7 @@ def links_to(address: str) -> set[int]:
         next(table)
         for line in table:
             fields = line.split()
-            if fields[2] == remote and fields[3] == "01":
+            if fields[2] == remote and fields[3] == state:
                 ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
 
@@ -811,9 +814,9 @@ async def test_on_a_cluster_requests_of_another_hosts_session_pass_through_on_on
     cluster: Cluster, redis_server: RedisServer,
 ) -> None:
     """The passthrough reaches a worker of another host on its hop listener, each request
-    signed and looked up once, on one TCP link kept alive from one request to the next;
-    a target with a fragment (which a signature of the request line cannot cover as the
-    listener reads it) goes the copying way and is answered as well."""
+    signed (its query too) and looked up once, on one TCP link kept alive from one
+    request to the next; a target with a fragment (which the listener's uvicorn drops)
+    goes the copying way and is answered as well."""
     h1, h2, cookie, holder, hop = await two_hosts(cluster)
     lines = await workers(h2.server)
     receiver = next(iter(lines))
@@ -826,16 +829,19 @@ async def test_on_a_cluster_requests_of_another_hosts_session_pass_through_on_on
             assert seen["worker"] == holder, seen
             links |= links_to(hop) - pooled
         lookups = await gets(redis_server) - lookups
+        raw.write(get("/echo?a=1&b=%2F&c", cookie))
+        status, _, seen = await raw.reply()
+        assert (status, seen["worker"]) == (200, holder), seen
         raw.write(get("/echo#part", cookie))
         status, _, seen = await raw.reply()
         assert (status, seen["worker"], seen["path"]) == (200, holder, "/echo"), seen
     finally:
         await raw.close()
     after = (await workers(h2.server))[receiver]
-    assert after["passed_through"] - before[receiver]["passed_through"] == 10
-    assert after["forwarded"] - before[receiver]["forwarded"] == 11
+    assert after["passed_through"] - before[receiver]["passed_through"] == 11
+    assert after["forwarded"] - before[receiver]["forwarded"] == 12
     served = (await workers(h1.server))[holder]["served_forwarded"]
-    assert served - held[holder]["served_forwarded"] == 11
+    assert served - held[holder]["served_forwarded"] == 12
     assert len(links) == 1, f"{len(links)} new links for 10 requests: {links}"
     assert 10 <= lookups < 20, f"{lookups} lookups for 10 requests (refreshes add a few)"
 
@@ -846,7 +852,7 @@ async def test_on_a_cluster_a_session_of_a_killed_host_answers_503_before_its_re
     """A host killed while still listed: its hop listener refuses the passthrough's new
     link, and the request is answered 503 `claimant_unavailable` from that refusal, the
     router not trying to connect again (it forwards nothing)."""
-    h1, h2, cookie, holder, _ = await two_hosts(cluster)
+    h1, h2, cookie, holder, hop = await two_hosts(cluster)
     lines = await workers(h2.server)
     receiver = next(iter(lines))
     raw = await raw_on(h2.server, lines, receiver)
@@ -856,7 +862,8 @@ async def test_on_a_cluster_a_session_of_a_killed_host_answers_503_before_its_re
         before = (await workers(h2.server))[receiver]
         os.killpg(h1.server.pid, signal.SIGKILL)
         await h1.server.group_gone()
-        await asyncio.sleep(0.5)  # (the kept link's end is read)
+        # The kept link's end read: no connection to the listener waits to be closed.
+        await eventually(lambda: not links_to(hop, CLOSE_WAIT), 10, "the links are closed")
         raw.write(get("/echo", cookie))
         status, headers, body = await raw.reply()
     finally:

@@ -1,10 +1,11 @@
 """The public port's HTTP protocol: uvicorn's httptools protocol with a passthrough in
-front of it for requests another worker of this host holds the session of.
+front of it for requests another worker holds the session of.
 
 Each request that starts on an idle connection is offered to `Passthrough.start` first.
-When its head shows another live worker of this host holds its session (the router's
-`passthrough_target`) and the request is a plain one, its bytes go to that worker's
-private socket as they came, with the hop header (hop.py) added, and the reply's bytes
+When its head shows another live worker holds its session (the router's
+`passthrough_target`; on a cluster `passthrough_located`, below) and the request is a
+plain one, its bytes go to that worker's private socket (on a cluster, perhaps its hop
+listener) as they came, with the hop header (hop.py) added, and the reply's bytes
 come back as they came, with this server's `date` and `server` headers added; the reply
 is parsed only to see where it ends. No ASGI scope, task or message is made for it here;
 this worker writes its access line once the reply has ended (SPEC 4.5). The request is
@@ -32,9 +33,8 @@ connection still read meanwhile (so that a client that leaves ends the wait), an
 goes on as on one host; what the lookup found goes with a request left to the router
 (`Found.located`), so that it is not looked up twice. A holder on another host is
 reached the same way on a kept-alive TCP link to its hop listener, connected in that
-wait if none is kept (`Links.connect`); the request is signed there (hopsign.py), a
-target with a fragment (which the listener reads without it) being left to the router,
-and its connection never moves.
+wait if none is kept (`Links.connect`); the request is signed there (hopsign.py), and
+its connection never moves.
 
 A connection's first request is not spliced but handed off when it can be (handoff.py):
 the connection itself moves to the holder, whose `FrontProtocol` then serves it as if it
@@ -156,8 +156,8 @@ class HeadReader:
             # It may close its connection, and the parser would refuse the next request.
             self._parser = httptools.HttpRequestParser(self)
         url = self._url
-        if version != "1.1" or not url.startswith(b"/"):
-            return None
+        if version != "1.1" or not url.startswith(b"/") or b"#" in url:
+            return None  # (uvicorn drops a fragment: the holder reads another path)
         raw_path, _, query = url.partition(b"?")
         try:
             path = raw_path.decode("ascii")
@@ -213,6 +213,10 @@ class HeadReader:
         if scope is None or scope["method"] not in _METHODS:
             return None
         head = data[:end]
+        line_end = head.find(b"\r\n")
+        line = head if line_end < 0 else head[:line_end]
+        if line != b"%s %s HTTP/1.1" % (scope["method"].encode("ascii"), self._url):
+            return None  # (spaces the parser let pass: the line is sent on as it came)
         said_keep_alive = proxied = False
         for name, value in scope["headers"]:
             if name in _PROXIED:
@@ -268,15 +272,13 @@ def _without_keep_alive(head: bytes) -> bytes:
     return _KEEP_ALIVE_LINE.sub(b"", head)
 
 
-def _signed_target(sent: bytes) -> str | None:
+def _signed_target(sent: bytes) -> str:
     """The request target a hop listener's check reads (`hopsign.request_target`) of the
-    head `sent`, whose request line is sent as it is: the path, and `?` and the query
-    when there is one; None for a target with a fragment, which the listener's uvicorn
-    drops, so that its request is left to the router's forwarder."""
-    line = sent[: sent.find(b"\r\n")] if b"\r\n" in sent else sent
-    target = line.split(b" ")[1]
-    if b"#" in target:
-        return None
+    head `sent` (`method SP target SP HTTP/1.1`, as `HeadReader` takes it, sent on as
+    it is): the path, and `?` and the query when there is one."""
+    line_end = sent.find(b"\r\n")
+    line = sent if line_end < 0 else sent[:line_end]
+    target = line[line.index(b" ") + 1 : -len(b" HTTP/1.1")]
     path, _, query = target.partition(b"?")
     return (path + b"?" + query if query else path).decode("latin-1")
 
@@ -457,9 +459,9 @@ class Passthrough:
         `close`, that this worker has stopped)."""
         sent: _Spliced | _Moving | None = None
         found: Found = read.scope[FOUND_KEY]
+        remote = None
         try:
             target = await self.router.passthrough_located(read.scope)
-            remote = None
             if target is not None:
                 address = self.router.tables.addresses.get(target)
                 if address is not None:
@@ -480,6 +482,8 @@ class Passthrough:
             raise
         except Exception:  # (as in `start`): the router's way answers it
             log.exception("passthrough_failed")
+            if remote is not None and sent is None:
+                remote[0].close()
         finally:
             front.looking = None
         front.looked_up(sent, found, started)
@@ -489,14 +493,14 @@ class Passthrough:
     ) -> tuple[Link, str] | None:
         """A link to another host's hop listener for `read` (a kept one, else a new
         one), and the request's signature for it (hopsign.py). None leaves the request to
-        the router: one the passthrough cannot sign, one to a worker found dead while
+        the router: one this worker cannot sign (it has no hop secret), one to a worker
+        found dead while
         its link connected (the router answers 410), or one whose link did not connect
         (the error then goes into `found.located`, which the router answers as its
         forwarder would have, without trying to connect again)."""
         forwarder = self.router.forwarder
         signer = None if forwarder is None else forwarder.signer
-        signed = _signed_target(read.sent)
-        if forwarder is None or signer is None or signed is None:
+        if forwarder is None or signer is None:
             return None
         link = self.links.idle(address)
         try:
@@ -513,7 +517,7 @@ class Passthrough:
             if located is not None:
                 found.located = (located[0], TetherError("claimant_unavailable", reason))
             return None
-        return link, signer(read.scope["method"], signed, target)
+        return link, signer(read.scope["method"], _signed_target(read.sent), target)
 
     def _send(
         self, front: Any, data: bytes, read: _Head, target: WorkerId, first: bool,
@@ -525,23 +529,22 @@ class Passthrough:
         connection never moves."""
         router = self.router
         scope = read.scope
+        if remote is None and first and self.handoffs is not None and self.handoffs.send(
+            target, front.raw_transport.get_extra_info("socket").fileno(), data, front
+        ):
+            router.stats.forwarded += 1
+            router.stats.handed_off += 1
+            return MOVING
         hop = front.hop_value(scope if read.proxied else None)
+        if hop is None:
+            if remote is not None:
+                self.links.put(remote[0])
+            return None
         link: Link | None
         if remote is not None:
             link, signature = remote
-            if hop is None:
-                self.links.put(link)
-                return None
             hop = signed_hop_value(signature, hop)
         else:
-            if first and self.handoffs is not None and self.handoffs.send(
-                target, front.raw_transport.get_extra_info("socket").fileno(), data, front
-            ):
-                router.stats.forwarded += 1
-                router.stats.handed_off += 1
-                return MOVING
-            if hop is None:
-                return None
             path = self._paths.get(target)
             if path is None:
                 path = self._paths[target] = self.path_of(target)
@@ -563,7 +566,7 @@ class Passthrough:
         elapsed = time.perf_counter() - spliced.started
         router.stats.observe_forward(elapsed)
         link = spliced.link
-        if kept and not link.closed:
+        if kept and not link.closed and not link.unsent:
             link.resume()  # (paused while the client was slow to read)
             self.links.put(link)
         else:

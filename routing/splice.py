@@ -27,10 +27,6 @@ IDLE_S = 15.0
 """Idle links older than this are closed when next looked at (the private server keeps
 its side 75 s, so this side always closes first)."""
 _READ_SIZE = 1 << 16  # (a bigger buffer is allocated by mmap on every read)
-SEND_BUFFER = 1 << 17
-"""A TCP link's send buffer: the largest request the passthrough sends (64 KiB and its
-head) fits whole into it once empty, as `Link.send` needs, whatever a network's path
-would have grown the buffer to by then."""
 
 
 class Reader(Protocol):
@@ -44,11 +40,12 @@ class Reader(Protocol):
 
 
 class Link:
-    """One connection to a worker's private socket."""
+    """One connection to a worker's private socket, or to another host's worker's hop
+    listener."""
 
     __slots__ = (
         "closed", "complete", "final", "got_bytes", "idle_since", "keep_alive", "loop",
-        "parser", "path", "paused", "pool", "reader", "reused", "sock", "status",
+        "parser", "path", "paused", "pool", "reader", "reused", "sock", "status", "unsent",
     )
 
     def __init__(
@@ -71,24 +68,43 @@ class Link:
         """The current request went on a link kept from an earlier one."""
         self.got_bytes = False
         """The current request's reply has begun to arrive (perhaps unparseable)."""
+        self.unsent = b""
+        """What the socket has not taken yet of a request it took in part."""
         pool.opened(self)
         # Watched for as long as it is open: an idle link that turns readable was closed.
         loop.add_reader(sock.fileno(), self._readable)
 
     def send(self, request: bytes, reader: Reader) -> bool:
-        """Write the whole request and wait for its reply; False if the socket would not
-        take all of it at once (the link is then closed)."""
+        """Write the request and wait for its reply; False if the socket took none of it
+        (the link is then closed, and the request may go another way). Once it took a
+        byte, the request is this link's: the rest is written as the socket takes it,
+        and a failure is a lost reply (`Reader.lost`), never a second sending."""
         self.status, self.final, self.complete, self.keep_alive = 0, False, False, False
         self.got_bytes = False
         try:
             sent = self.sock.send(request)
         except OSError:
-            sent = -1
-        if sent != len(request):
+            sent = 0
+        if sent <= 0:
             self.close()
             return False
         self.reader = reader
+        if sent < len(request):  # (a socket of a full buffer: a slow or far peer)
+            self.unsent = request[sent:]
+            self.loop.add_writer(self.sock.fileno(), self._writable)
         return True
+
+    def _writable(self) -> None:
+        try:
+            sent = self.sock.send(self.unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.fail()
+            return
+        self.unsent = self.unsent[sent:]
+        if not self.unsent:
+            self.loop.remove_writer(self.sock.fileno())
 
     def pause(self) -> None:
         """Stop reading the reply (the client is not taking it as fast)."""
@@ -108,6 +124,9 @@ class Link:
         self.reader = None
         if not self.paused:
             self.loop.remove_reader(self.sock.fileno())
+        if self.unsent:
+            self.unsent = b""
+            self.loop.remove_writer(self.sock.fileno())
         self.pool.forget(self)
         self.sock.close()
 
@@ -198,36 +217,41 @@ class Links:
 
     async def connect(self, address: str) -> Link:
         """A new link to another host's hop listener (`address`, `tcp://host:port`),
-        TCP_NODELAY and `SEND_BUFFER` set; raises `ClaimantUnavailable` as the
-        forwarder's `connect` would (a refused connection included: only the live set
-        says a worker of another host is dead), `ClaimantGone` if the live set named it
-        dead meanwhile. The caller bounds the wait."""
+        TCP_NODELAY set, each address its name resolves to tried in turn (as the
+        forwarder's `connect` does); raises `ClaimantUnavailable` as that would (a
+        refused connection included: only the live set says a worker of another host is
+        dead), `ClaimantGone` if the live set named it dead meanwhile. The caller bounds
+        the wait."""
         loop = asyncio.get_running_loop()
         host, port = tcp_endpoint(address)
-        sock: socket.socket | None = None
         try:
-            (family, kind, proto, _, where), *_ = await loop.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM
-            )
+            found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ClaimantUnavailable(f"cannot connect to {address}: {exc!r}") from exc
+        error: OSError = OSError(f"{host} resolves to no address")
+        for family, kind, proto, _, where in found:
             sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-            await loop.sock_connect(sock, where)
-            if address in self._gone:  # (while it connected): nothing is sent there
-                raise ClaimantGone(f"{address} is another host's worker known dead")
-        except BaseException as exc:  # (cancelled too: the wait ran out, or the worker stops)
-            if sock is not None:
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_connect(sock, where)
+            except OSError as exc:
                 sock.close()
-            if isinstance(exc, ConnectionRefusedError):
-                raise ClaimantUnavailable(f"{address} refused the connection") from exc
-            if isinstance(exc, OSError):  # (a name that does not resolve, say)
-                raise ClaimantUnavailable(f"cannot connect to {address}: {exc!r}") from exc
-            raise
-        return Link(sock, address, loop, self)
+                error = exc
+                continue
+            except BaseException:  # cancelled: the wait ran out, or the worker stops
+                sock.close()
+                raise
+            if address in self._gone:  # (named dead while it connected): nothing goes there
+                sock.close()
+                raise ClaimantGone(f"{address} is another host's worker known dead")
+            return Link(sock, address, loop, self)
+        if isinstance(error, ConnectionRefusedError):
+            raise ClaimantUnavailable(f"{address} refused the connection") from error
+        raise ClaimantUnavailable(f"cannot connect to {address}: {error!r}") from error
 
     def put(self, link: Link) -> None:
-        """A link whose reply is complete and that the private server keeps open."""
+        """A link whose reply is complete and that its server keeps open."""
         link.idle_since = time.monotonic()
         self._idle.setdefault(link.path, []).append(link)
 

@@ -16,8 +16,9 @@ one session on h1 and times `GET /count` for it three ways:
     direct      a connection h1's holder of the session accepted: no hop
     same_host   a connection h1's other worker accepted: passed through to the holder's
                 private Unix socket (routing/front.py, SPEC 4.5)
-    cross_host  a connection a worker of h2 accepted: forwarded over TCP to the holder's
-                hop listener, signed (`x-tether-hop`, SPEC 12)
+    cross_host  a connection a worker of h2 accepted: passed through over a kept-alive
+                TCP link to the holder's hop listener, signed (`x-tether-hop`, SPEC 12;
+                copied by the forwarder before the tenth session)
 
 Both forwarded variants first look the session up in Redis (one round trip: the
 receiving worker does not hold it), so what they add over `direct` is that lookup plus

@@ -6,10 +6,12 @@ import asyncio
 import time
 from typing import Any
 
+import httptools
 import pytest
 
 import tether.routing.front as front_module
 from tether.routing.front import HeadReader, _ProxyHeaders
+from tether.routing.hopsign import request_target
 from tether.routing.kinds import CookieCodec, SessionKind
 from tether.routing.router import FOUND_KEY
 
@@ -71,6 +73,35 @@ def test_heads_the_passthrough_does_not_read_give_none() -> None:
         b"GET / HTTP/1.1\r\ncookie: a\n\r\nx: y",
     ):
         assert head_scope(head, "") is None, head
+
+
+def test_a_fragment_or_a_request_line_of_extra_spaces_is_left_to_uvicorn() -> None:
+    """uvicorn drops a fragment (the holder would read another path or query than the
+    passthrough), and the request line is sent on as it came (so a hop's signature, and
+    a root path put in front, need it as `method SP target SP HTTP/1.1`)."""
+    for head in (
+        b"GET /s/abc#x HTTP/1.1\r\nhost: t",
+        b"GET /a?session=abc#x HTTP/1.1\r\nhost: t",
+        b"GET  /a HTTP/1.1\r\nhost: t",
+        b"GET /a  HTTP/1.1\r\nhost: t",
+    ):
+        assert read_head(head, "") is None, head
+    assert read_head(b"GET /a?b HTTP/1.1\r\nhost: t", "") is not None
+
+
+@pytest.mark.parametrize("target", [
+    b"/a", b"/a?", b"/a?b=1&c=%2F", b"/a?b?c", b"/a%20b/%E2%82%AC", b"//x", b"/",
+])
+@pytest.mark.parametrize("root_path", ["", "/api"])
+def test_the_target_a_hop_signs_is_what_the_listeners_uvicorn_reads_of_the_line_sent(
+    target: bytes, root_path: str
+) -> None:
+    read = read_head(b"GET %s HTTP/1.1\r\nhost: t" % target, root_path)
+    sent_target = read.sent.split(b"\r\n")[0].split(b" ")[1]
+    url = httptools.parse_url(sent_target)  # as uvicorn's httptools protocol parses it
+    scope = {"raw_path": url.path, "query_string": url.query or b"", "path": ""}
+    assert front_module._signed_target(read.sent) == request_target(scope)
+    assert sent_target == root_path.encode() + target
 
 
 def test_a_head_sent_on_loses_connection_keep_alive_and_gains_the_root_path() -> None:
