@@ -951,7 +951,7 @@ async def test_on_a_cluster_a_request_whose_lookup_waits_when_the_server_stops_i
     cluster: Cluster, redis_server: RedisServer,
 ) -> None:
     """A SIGTERM while a request waits for a paused Redis, past the graceful timeout: the
-    wait is given up and the request answered 503, not dropped unanswered."""
+    wait is given up and the request answered 503, not dropped unanswered, and logged."""
     host = await one_host(cluster, "--timeout-graceful-shutdown", "1")
     cookie, _, _, raw = await across(host.server, f"stopping-{run_id()}")
     redis_server.pause()
@@ -966,3 +966,7 @@ async def test_on_a_cluster_a_request_whose_lookup_waits_when_the_server_stops_i
     assert status == 503, body
     assert body["code"] in ("claimant_unavailable", "cluster_unavailable"), body
     assert await host.server.exit_code() == 0
+    # Logged once, by the worker that received it, as every request is (SPEC 4.5).
+    refused = [r for r in host.server.logs()
+               if r.get("event") == "request" and r.get("status") == 503]
+    assert [(r["method"], r["path"]) for r in refused] == [("GET", "/echo")], refused

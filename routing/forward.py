@@ -399,9 +399,11 @@ class Forwarder:
         body: bytes | None = None,
         hop: bytes | None = None,
         target: WorkerId | None = None,
+        fresh: bool = False,
     ) -> None:
         """Forward one http request to the claimant at `address` (a socket path or
-        `tcp://host:port`) and stream its reply.
+        `tcp://host:port`) and stream its reply; `fresh`: on a new connection, with no
+        retry (it is one already: the passthrough's kept link closed unanswered).
 
         `body`, if given, is the whole request body, already read by the caller; `receive`
         is then only watched for the client's disconnect. `hop`, if given, is sent as the
@@ -448,7 +450,7 @@ class Forwarder:
         recorded: list[bytes] | None = [body] if streaming else None
         recorded_size = len(body)
         more = streaming
-        retried = False
+        retried = fresh
         is_head = scope["method"] == "HEAD"
         loop = asyncio.get_running_loop()
 

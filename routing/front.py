@@ -445,7 +445,7 @@ class Passthrough:
                 self._look_up(front, data, read, first, started), name="tether-passthrough"
             )
             self._lookups.add(task)
-            task.add_done_callback(self._lookups.discard)
+            task.add_done_callback(lambda task: self._looked(task, front, read, started))
             front.looking = task
             return LOOKING
         return self._send(front, data, read, target, first, started)
@@ -456,7 +456,7 @@ class Passthrough:
         """Wait for the claim store to name the request's holder (and, for a worker of
         another host with no link kept to it, for a link to connect), then send the
         request on as `start` would have; `front` is told what came of it (cancelled by
-        `close`, that this worker has stopped)."""
+        the client leaving, or by `close`: see `_looked`)."""
         sent: _Spliced | _Moving | None = None
         found: Found = read.scope[FOUND_KEY]
         remote = None
@@ -476,17 +476,21 @@ class Passthrough:
                 # Bytes read meanwhile are this worker's: the connection no longer moves.
                 sent = self._send(front, data, read, target, first and not front.read_on,
                                   started, remote)
-        except asyncio.CancelledError:
-            if self.closed:
-                front.looked_up(None, found, started)  # (answered 503: nothing serves it)
-            raise
         except Exception:  # (as in `start`): the router's way answers it
             log.exception("passthrough_failed")
             if remote is not None and sent is None:
                 remote[0].close()
-        finally:
-            front.looking = None
+        front.looking = None
         front.looked_up(sent, found, started)
+
+    def _looked(self, task: asyncio.Task[None], front: Any, read: _Head, started: float) -> None:
+        """A lookup's task ended. One `close` cancelled, begun or not, leaves its request
+        to `front` to answer (503: nothing serves it now); one the client's leaving
+        cancelled has nothing to answer on (the connection no longer waits for it)."""
+        self._lookups.discard(task)
+        if task.cancelled() and front.looking is task:
+            front.looking = None
+            front.looked_up(None, read.scope[FOUND_KEY], started)
 
     async def _remote(
         self, address: str, target: WorkerId, read: _Head, found: Found
@@ -603,10 +607,23 @@ class Passthrough:
             error = session_gone(spliced.session_id)  # type: ignore[arg-type]
         return encode_reply(router.refusal(error), default_headers)
 
-    def stopping(self, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-        """The reply to a request this worker can no longer serve (it has stopped): 503."""
-        error = TetherError("claimant_unavailable", f"the worker {self.router.worker} stopped")
-        return encode_reply(self.router.refusal(error), default_headers)
+    def stopping(
+        self, data: bytes, found: Found | None, since: float, front: Any
+    ) -> bytes:
+        """The reply to the request `data` holds, which waited since `since` and which
+        this worker can no longer serve (it has stopped): 503, its access line written."""
+        router = self.router
+        error = TetherError("claimant_unavailable", f"the worker {router.worker} stopped")
+        reply = encode_reply(router.refusal(error), front.server_state.default_headers)
+        if router.access_log:
+            method, _, rest = data.partition(b" ")
+            target, _, _ = rest.partition(b" ")
+            path = unquote(target.partition(b"?")[0].decode("latin-1"))
+            router.log_request(
+                method.decode("latin-1"), front.root_path + path, 503,
+                None if found is None else found.session_id, time.perf_counter() - since,
+            )
+        return reply
 
     def close(self) -> None:
         """Once the public server's connections are closed: stop the lookups still
@@ -672,6 +689,8 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             self.looking: asyncio.Task[None] | None = None
             """The lookup of `_moving`'s holder, while it runs (`Passthrough.start`); the
             connection is read meanwhile, so that a client that leaves cancels it."""
+            self._moving_since = 0.0
+            """When `_moving` began to wait (for its access line, should it be refused)."""
             self._moving_found: Found | None = None
             """What the lookup found for a request whose move it started, for the
             copying way should the move be refused."""
@@ -756,6 +775,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                     return
                 if isinstance(spliced, _Moving):
                     self._moving = data
+                    self._moving_since = time.perf_counter()
                     if spliced is MOVING:
                         self.raw_transport.pause_reading()  # (the holder may read it already)
                     self._unset_keepalive_if_required()  # (the wait is no idle time)
@@ -819,7 +839,9 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             if data is None or self.raw_transport.is_closing():  # (nothing to answer on)
                 return
             if passthrough.closed:  # this worker has stopped serving: nothing serves it
-                self.raw_transport.write(passthrough.stopping(self.server_state.default_headers))
+                self.raw_transport.write(passthrough.stopping(
+                    data, found, self._moving_since, self
+                ))
                 self.raw_transport.close()
                 return
             self.raw_transport.resume_reading()
@@ -864,6 +886,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             if passthrough.retry(spliced):
                 if spliced.found is not None:
                     spliced.found.since = spliced.started
+                    spliced.found.resent = True
                 self._parse(spliced.data + self._take_held(), spliced.found)
                 if self._closing:
                     super().shutdown()

@@ -292,7 +292,7 @@ class Router:
             await self._refuse(send, where)
         else:
             gone = "worker_gone" if session_id is None else "session_gone"
-            await self._timed_forward(where, scope, receive, send, body, gone)
+            await self._timed_forward(where, scope, receive, send, body, gone, found.resent)
 
     async def destination(
         self, session_id: SessionId | None, named: str | None, forwarded: bool,
@@ -436,12 +436,13 @@ class Router:
         send: Send,
         body: bytes | None,
         gone: str,
+        fresh: bool = False,
     ) -> None:
         """`_forward`, timed for `tether_forward_seconds`: what this worker spends on the
         request it forwards, the reply streamed back included."""
         started = time.perf_counter()
         try:
-            await self._forward(owner, scope, receive, send, body, gone)
+            await self._forward(owner, scope, receive, send, body, gone, fresh)
         finally:
             if self.forwarder is not None:
                 self.stats.observe_forward(time.perf_counter() - started)
@@ -454,7 +455,9 @@ class Router:
         send: Send,
         body: bytes | None,
         gone: str,
+        fresh: bool = False,
     ) -> None:
+        """`fresh`: only on a new connection (the passthrough's link already failed it)."""
         if self.forwarder is None or self.socket_path is None:
             await self._refuse(send, TetherError("worker_gone", f"worker {owner}"))
             return
@@ -462,7 +465,7 @@ class Router:
         address = self.address(owner)
         try:
             forward = self.forwarder.forward if self.tracing is None else self.tracing.forward
-            await forward(address, scope, receive, send, body, hop_value(scope), owner)
+            await forward(address, scope, receive, send, body, hop_value(scope), owner, fresh)
         except ClaimantGone:
             self.forwarder.discard(address)
             if gone == "worker_gone":

@@ -55,13 +55,16 @@ class Found:
     since: float | None = None
     """When (`time.perf_counter`) the passthrough took a request it then left to the
     router (after waiting for a lookup, or a link that failed): where its time starts."""
+    resent: bool = False
+    """The passthrough sent it on a kept-alive link that closed unanswered: the router
+    sends it again only on a new connection (SPEC 4.5's one retry)."""
 
     def copy(self) -> Found:
         """Another reading of the same head (its `cookie_session` shared: read only)."""
         return Found(
             self.session_id, self.cookie_session, self.cookie_id, self.worker,
             self.close_follows, self.content_length, self.hop, self.until, self.located,
-            self.since,
+            self.since, self.resent,
         )
 
 

@@ -164,6 +164,7 @@ class HopTraces:
         body: bytes | None = None,
         hop: bytes | None = None,
         target: WorkerId | None = None,
+        fresh: bool = False,
     ) -> None:
         """`Forwarder.forward`, traced; raises what it raises."""
         incoming: dict[str, str] = {}
@@ -199,7 +200,7 @@ class HopTraces:
         try:
             await self.forwarder.forward(
                 socket_path, {**scope, "headers": headers}, receive, traced_send, body, hop,
-                target,
+                target, fresh,
             )
         except BaseException as error:
             span.set_attribute("error.type", type(error).__name__)

@@ -629,6 +629,21 @@ async def test_a_pooled_connection_closed_by_the_claimant_is_retried_once_transp
     assert requests == 3
 
 
+async def test_a_fresh_forward_takes_a_new_connection_though_one_is_pooled(
+    claimant: tuple[Claimant, PrivateServer], forwarder: Forwarder
+) -> None:
+    """What the passthrough resends after its kept link closed unanswered is SPEC 4.5's
+    one retry: on a new connection, not on another kept one that may be as stale."""
+    private = claimant[1]
+    for fresh in (False, True):
+        io = Recorder()
+        await forwarder.forward(
+            private.path, direct_scope(), io.receive, io.send, fresh=fresh
+        )
+        assert io.status == 200
+    assert private.connections_accepted == 2
+
+
 async def test_a_pooled_connection_to_a_restarted_claimant_is_discarded(
     claimant: tuple[Claimant, PrivateServer], forwarder: Forwarder
 ) -> None:
