@@ -471,6 +471,7 @@ class Passthrough:
             if front.raw_transport.is_closing():
                 if remote is not None:
                     self.links.put(remote[0])
+                front.looking = None
                 return
             if target is not None:
                 # Bytes read meanwhile are this worker's: the connection no longer moves.
@@ -490,7 +491,10 @@ class Passthrough:
         self._lookups.discard(task)
         if task.cancelled() and front.looking is task:
             front.looking = None
-            front.looked_up(None, read.scope[FOUND_KEY], started)
+            if self.closed:
+                front.looked_up(None, read.scope[FOUND_KEY], started)
+            else:  # (the loop itself is torn down: nothing serves it)
+                front.raw_transport.abort()
 
     async def _remote(
         self, address: str, target: WorkerId, read: _Head, found: Found
@@ -538,6 +542,7 @@ class Passthrough:
         ):
             router.stats.forwarded += 1
             router.stats.handed_off += 1
+            front.moving_found = scope[FOUND_KEY]  # (for the copying way, if refused)
             return MOVING
         hop = front.hop_value(scope if read.proxied else None)
         if hop is None:
@@ -691,9 +696,10 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             connection is read meanwhile, so that a client that leaves cancels it."""
             self._moving_since = 0.0
             """When `_moving` began to wait (for its access line, should it be refused)."""
-            self._moving_found: Found | None = None
-            """What the lookup found for a request whose move it started, for the
-            copying way should the move be refused."""
+            self.moving_found: Found | None = None
+            """What the passthrough read of a request whose connection it is moving
+            (and what the lookup found, on a cluster), for the copying way and the
+            access line should the move be refused."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.raw_transport = transport
@@ -797,7 +803,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
 
         def moved(self) -> None:
             """The holder took this connection (handoff.py)."""
-            self._moving_found = None
+            self.moving_found = None
             if self._moving is not None:
                 self._moving = None
                 self.raw_transport.abort()  # our descriptor only: the holder has its own
@@ -805,7 +811,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
         def kept(self) -> None:
             """The holder did not take this connection: its request is served from here,
             the copying way (its 410 and 503 rules answer it if the holder is gone)."""
-            found, self._moving_found = self._moving_found, None
+            found, self.moving_found = self.moving_found, None
             if self._moving is not None:
                 passthrough.kept()
                 self._serve_held(found)
@@ -830,7 +836,7 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 self._serve_held(found)
             else:  # moving: it waits on, not read, for `moved` or `kept`
                 self.raw_transport.pause_reading()
-                self._moving_found = found
+                self.moving_found = found
 
         def _serve_held(self, found: Found | None) -> None:
             """Serve the request this connection waited with (`_moving`) the way of a
@@ -839,9 +845,10 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
             if data is None or self.raw_transport.is_closing():  # (nothing to answer on)
                 return
             if passthrough.closed:  # this worker has stopped serving: nothing serves it
-                self.raw_transport.write(passthrough.stopping(
-                    data, found, self._moving_since, self
-                ))
+                since = self._moving_since if found is None or found.since is None else (
+                    found.since
+                )
+                self.raw_transport.write(passthrough.stopping(data, found, since, self))
                 self.raw_transport.close()
                 return
             self.raw_transport.resume_reading()
