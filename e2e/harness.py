@@ -18,6 +18,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -662,6 +663,25 @@ class Connection:
 
 def _json_bytes(value: Any) -> bytes:
     return json.dumps(value).encode()
+
+
+def tcp_rows(address: str) -> list[tuple[str, str, str]]:
+    """The IPv4 TCP sockets of this machine with `address` (`host:port`) at either end,
+    from /proc/net/tcp: (local end, remote end, state) as the table writes them (an end
+    as `tcp_end` makes it; a state in hex, "01" established)."""
+    end = tcp_end(address)
+    rows = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if end in (fields[1], fields[2]):
+            rows.append((fields[1], fields[2], fields[3]))
+    return rows
+
+
+def tcp_end(address: str) -> str:
+    """`host:port` (IPv4) as /proc/net/tcp writes a socket's end."""
+    host, _, port = address.rpartition(":")
+    return f"{socket.inet_aton(host)[::-1].hex().upper()}:{int(port):04X}"
 
 
 def _accepted_inodes(server_port: int, client_port: int) -> set[int]:

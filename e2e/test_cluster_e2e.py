@@ -48,6 +48,8 @@ from e2e.harness import (
     raw_exchange,
     run_episode,
     run_tether,
+    tcp_end,
+    tcp_rows,
 )
 from e2e.redis_server import RedisServer, redis_server_or_skip
 from e2e.test_passthrough_e2e import across, echoes, get, raw_on, seed, workers
@@ -785,16 +787,12 @@ ESTABLISHED, CLOSE_WAIT = "01", "08"
 def links_to(address: str, state: str = ESTABLISHED) -> set[int]:
     """The local ports of the TCP connections to `address` (`host:port`, IPv4) from this
     machine in `state` (`/proc/net/tcp`): each one link or pooled connection."""
-    host, port = address.rsplit(":", 1)
-    remote = f"{socket.inet_aton(host)[::-1].hex().upper()}:{int(port):04X}"
-    ports = set()
-    with open("/proc/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            if fields[2] == remote and fields[3] == state:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    end = tcp_end(address)
+    return {
+        int(local.rsplit(":", 1)[1], 16)
+        for local, remote, found in tcp_rows(address)
+        if remote == end and found == state
+    }
 
 
 async def two_hosts(cluster: Cluster) -> tuple[Host, Host, str, str, str]:

@@ -99,6 +99,7 @@ from e2e.harness import (
     Server,
     eventually,
     start_server,
+    tcp_rows,
 )
 from e2e.redis_server import REDIS_SERVER, RedisServer
 from tether.cluster.claims import RedisClaimStore
@@ -300,13 +301,10 @@ _TCP_STATES = {"01": "established", "06": "time_wait", "08": "close_wait"}
 def tcp_states(address: str) -> dict[str, int]:
     """The loopback TCP connections to or from `host:port` (the holder's hop listener)
     by state, from /proc/net/tcp: how many connections the hops to it opened."""
-    host, _, port = address.rpartition(":")
-    endpoint = f"{socket.inet_aton(host)[::-1].hex().upper()}:{int(port):04X}"
     found = dict.fromkeys(_TCP_STATES.values(), 0)
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if endpoint in (fields[1], fields[2]) and fields[3] in _TCP_STATES:
-            found[_TCP_STATES[fields[3]]] += 1
+    for _, _, state in tcp_rows(address):
+        if state in _TCP_STATES:
+            found[_TCP_STATES[state]] += 1
     return found
 
 
