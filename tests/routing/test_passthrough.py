@@ -78,3 +78,43 @@ async def test_a_request_the_passthrough_leaves_to_this_worker_has_its_head_read
     assert seen["worker"] == b.id
     assert b.routing.router.stats.passed_through == 0
     assert len(reads) == 1, "the router used what the passthrough read"
+
+
+async def test_a_request_whose_kept_link_closed_unread_is_served_once_on_a_new_connection(
+    cluster: Cluster,
+) -> None:
+    """The holder's keep-alive timer fires as a request arrives on the link the passthrough
+    kept: the link closes with the request unread and unanswered, so the passthrough sends
+    it again the copying way, SPEC 4.5's one retry, on a new connection (not on the
+    forwarder's pooled one, which the holder closes too); the handler runs once for it,
+    and it is counted once."""
+    a = await cluster.add(session_app())
+    b = await cluster.add(session_app(), front=True)
+    cookies = await seeded(a, "resent")
+    private = a.routing.private
+    assert private is not None and private._server is not None
+    async with b.client() as client:  # copied (it names a worker, not a session): pooled
+        named = await client.get("/whoami", headers={"x-tether-worker": a.id})
+        assert (named.status_code, named.json()["worker"]) == (200, a.id)
+    closed_unread: list[object] = []
+
+    def timer_fires(protocol: Any) -> None:
+        closed_unread.append(protocol)
+        protocol.timeout_keep_alive_handler()  # (uvicorn's own close of an idle connection)
+
+    async with b.client(cookies=cookies) as client:  # one kept-alive connection
+        first = await client.get("/touch")
+        assert (first.status_code, first.json()["n"]) == (200, 1)
+        assert b.routing.router.stats.passed_through == 1
+        kept: list[Any] = list(private._server.server_state.connections)
+        assert len(kept) == 2  # the passthrough's link and the forwarder's connection
+        for protocol in kept:
+            protocol.data_received = lambda data, protocol=protocol: timer_fires(protocol)
+        second = await client.get("/touch")
+
+    assert second.status_code == 200, second.text
+    assert (second.json()["n"], second.json()["worker"]) == (2, a.id), "run twice, or lost"
+    assert len(closed_unread) == 1, "sent again on a pooled connection, not a new one"
+    stats = b.routing.router.stats
+    assert (stats.passed_through, stats.forwarded) == (1, 3)
+    assert private.connections_accepted == 3
