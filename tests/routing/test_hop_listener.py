@@ -463,6 +463,31 @@ async def test_a_refused_tcp_connection_is_claimant_unavailable_not_gone(
     assert io.sent == []
 
 
+async def test_a_tcp_connection_that_is_never_answered_is_claimant_unavailable_in_time(
+) -> None:
+    """A host that takes no new connection (its accept queue full, as a blackholed or
+    wedged host: the kernel drops the SYN) is `claimant_unavailable` once the connect
+    timeout runs out, not a wait without end, and nothing was sent."""
+    forwarder = Forwarder(signer=HopSigner(SECRET), connect_timeout=0.5)
+    with socket.socket() as full, socket.socket() as queued:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)  # one connection waits to be accepted; none ever is
+        queued.connect(full.getsockname())
+        io = Recorder()
+        started = time.monotonic()
+        try:
+            with pytest.raises(ClaimantUnavailable, match="TimeoutError"):
+                await forwarder.forward(
+                    f"tcp://127.0.0.1:{full.getsockname()[1]}", direct_scope(), io.receive,
+                    io.send, target=WORKER,
+                )
+        finally:
+            await forwarder.close()
+    waited = time.monotonic() - started
+    assert 0.4 < waited < 0.5 + BOUND, waited
+    assert io.sent == []
+
+
 async def test_a_tcp_address_without_a_signer_or_target_is_a_programming_error(
     forwarder: Forwarder,
 ) -> None:
