@@ -844,6 +844,32 @@ async def test_on_a_cluster_requests_of_another_hosts_session_pass_through_on_on
     assert 10 <= lookups < 20, f"{lookups} lookups for 10 requests (refreshes add a few)"
 
 
+async def test_on_a_cluster_requests_that_say_connection_close_still_keep_the_link(
+    cluster: Cluster,
+) -> None:
+    """A client's `connection: close` closes the client's connection after the reply,
+    which says so, but is not sent on: the TCP link to the other host stays open for
+    the next connection's request, instead of a new TCP connection a request."""
+    _, h2, cookie, holder, hop = await two_hosts(cluster)
+    lines = await workers(h2.server)
+    receiver = next(iter(lines))
+    pooled, links = links_to(hop), set()
+    closing = get("/echo", cookie).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+    for _ in range(4):
+        raw = await raw_on(h2.server, lines, receiver)
+        try:
+            raw.write(closing)
+            status, headers, seen = await raw.reply()
+            assert (status, seen["worker"]) == (200, holder), seen
+            assert ("connection", "close") in headers, headers
+            assert await asyncio.wait_for(raw.reader.read(), 10) == b"", "left open"
+        finally:
+            await raw.close()
+        links |= links_to(hop) - pooled
+    # (0: each request's link closed with it; more than 1: a new link a request)
+    assert len(links) == 1, f"{len(links)} links left open by 4 requests: {links}"
+
+
 async def test_on_a_cluster_a_session_of_a_killed_host_answers_503_before_its_record_expires(
     cluster: Cluster,
 ) -> None:

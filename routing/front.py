@@ -16,8 +16,9 @@ Everything else goes to uvicorn's protocol and the router as before, which forwa
 copying what it must (forward.py): a request with no session, or this worker's; a head
 or body that did not come in one read, or one that arrives while uvicorn's parser is
 inside another request; a body of unknown length; an upgrade
-(WebSocket), `expect`, hop-by-hop headers (but `connection: keep-alive`, which is left
-out, and `connection: close`, which both ends then honour) or `forwarded`; a method
+(WebSocket), `expect`, hop-by-hop headers (but `connection: keep-alive` and
+`connection: close`, which are left out: the link stays open, and a client that said
+close has it in the reply and its connection closed after it) or `forwarded`; a method
 other than GET, POST, PUT, PATCH, DELETE and OPTIONS; over `--limit-concurrency`; and one
 whose holder's socket does not take it at once. A request whose link fails before the
 reply's first byte is given to uvicorn's protocol too, with the bytes it came with, so
@@ -196,7 +197,7 @@ class HeadReader:
             if known.found.until <= time.monotonic():
                 known.found = find(self._kind, scope)
             scope[FOUND_KEY] = known.found.copy()
-            return _Head(scope, data[end + 4 :], known.sent, known.proxied)
+            return _Head(scope, data[end + 4 :], known.sent, known.proxied, known.closes)
         read = self._read(data, end, root_path)
         if read is not None:
             self._known_bytes += len(head)
@@ -217,7 +218,7 @@ class HeadReader:
         line = head if line_end < 0 else head[:line_end]
         if line != b"%s %s HTTP/1.1" % (scope["method"].encode("ascii"), self._url):
             return None  # (spaces the parser let pass: the line is sent on as it came)
-        said_keep_alive = proxied = False
+        said_connection = proxied = closes = False
         for name, value in scope["headers"]:
             if name in _PROXIED:
                 proxied = True
@@ -225,16 +226,17 @@ class HeadReader:
                 if name != b"connection":
                     return None
                 token = value.strip(_SPACES).lower()
-                if token == b"keep-alive":  # what HTTP/1.1 means anyway; not passed on
-                    said_keep_alive = True
-                elif token != b"close":  # (the holder's reply says so too; both ends close)
+                if token == b"close":  # this worker closes the client's connection
+                    closes = True
+                elif token != b"keep-alive":  # (what HTTP/1.1 means anyway)
                     return None
-        if said_keep_alive:
-            head = _without_keep_alive(head)
+                said_connection = True
+        if said_connection:
+            head = _without_connection(head)
         if root_path:  # the target as uvicorn gives it the router: `--root-path` in front
             method, _, rest = head.partition(b" ")
             head = b"%s %s%s" % (method, root_path.encode("ascii"), rest)
-        return _Head(scope, data[end + 4 :], head, proxied)
+        return _Head(scope, data[end + 4 :], head, proxied, closes)
 
 
 HEADS_REMEMBERED = 4096
@@ -248,7 +250,7 @@ class _Known:
     reads (not changed by it: each request gets a scope of its own), what `find` read of
     them, what is sent on, and its body's length."""
 
-    __slots__ = ("found", "length", "parts", "proxied", "root_path", "sent")
+    __slots__ = ("closes", "found", "length", "parts", "proxied", "root_path", "sent")
 
     def __init__(self, read: _Head, root_path: str, length: int, found: Found) -> None:
         self.parts = {**read.scope, "headers": tuple(read.scope["headers"])}
@@ -256,6 +258,7 @@ class _Known:
         """What `find` read of it, read again once it no longer holds (`Found.until`)."""
         self.sent = read.sent
         self.proxied = read.proxied
+        self.closes = read.closes
         self.root_path = root_path
         self.length = length
 
@@ -263,13 +266,16 @@ class _Known:
         return dict(self.parts)
 
 
-_KEEP_ALIVE_LINE = re.compile(rb"\r\nconnection:[ \t]*keep-alive[ \t]*(?=\r\n|$)", re.IGNORECASE)
+_CONNECTION_LINE = re.compile(
+    rb"\r\nconnection:[ \t]*(?:keep-alive|close)[ \t]*(?=\r\n|$)", re.IGNORECASE
+)
 
 
-def _without_keep_alive(head: bytes) -> bytes:
-    """A request head without its `connection: keep-alive` lines: hop-by-hop, so not
-    forwarded (SPEC 4.5), as the copying path leaves them out too."""
-    return _KEEP_ALIVE_LINE.sub(b"", head)
+def _without_connection(head: bytes) -> bytes:
+    """A request head without its `connection: keep-alive` and `connection: close`
+    lines: hop-by-hop, so not forwarded (SPEC 4.5), as the copying path leaves them out
+    too. The link then stays open whatever the client said of its own connection."""
+    return _CONNECTION_LINE.sub(b"", head)
 
 
 def _signed_target(sent: bytes) -> str:
@@ -305,14 +311,18 @@ class _Head:
     """What the passthrough reads of a request it may take: the scope a routing decision
     reads, the head to send on and the body after it."""
 
-    __slots__ = ("body", "proxied", "scope", "sent")
+    __slots__ = ("body", "closes", "proxied", "scope", "sent")
 
-    def __init__(self, scope: Scope, body: bytes, sent: bytes, proxied: bool) -> None:
+    def __init__(
+        self, scope: Scope, body: bytes, sent: bytes, proxied: bool, closes: bool
+    ) -> None:
         self.scope = scope
         self.body = body
         self.sent = sent
         self.proxied = proxied
         """It names a proxy's caller (`_PROXIED`)."""
+        self.closes = closes
+        """It said `connection: close` (not sent on): its connection closes after it."""
 
 
 class _ProxyHeaders:
@@ -346,17 +356,20 @@ class _Spliced:
     `tether_forward_seconds` need."""
 
     __slots__ = (
-        "data", "found", "front", "link", "method", "path", "sent", "session_id", "started",
-        "target",
+        "closes", "data", "found", "front", "link", "method", "path", "sent", "session_id",
+        "started", "target",
     )
 
     def __init__(
         self, front: Any, link: Link, data: bytes, scope: Scope, target: WorkerId,
-        started: float,
+        started: float, closes: bool,
     ) -> None:
         self.front = front
         self.link = link
         self.data = data
+        self.closes = closes
+        """The client said `connection: close`, which the holder was not sent: the reply
+        says it, and the client's connection closes after it (the link stays open)."""
         self.method: str = scope["method"]
         self.path: str = scope["path"]
         self.session_id: str | None = scope.get(SCOPE_KEY)
@@ -372,7 +385,12 @@ class _Spliced:
             self.sent = True
             end = data.find(b"\r\n") + 2  # after the status line (uvicorn writes it whole)
             if end > 1:
-                data = data[:end] + _header_lines(front.server_state.default_headers) + data[end:]
+                lines = _header_lines(front.server_state.default_headers)
+                # Said where the final reply's head came whole and first (not after an
+                # interim 1xx) and the holder keeps the link; else the close goes unsaid.
+                if self.closes and link.keep_alive and data[9:10] != b"1":
+                    lines += b"connection: close\r\n"
+                data = data[:end] + lines + data[end:]
         front.raw_transport.write(data)
         if link.complete:
             front.spliced(self, link.keep_alive)
@@ -561,7 +579,7 @@ class Passthrough:
             if link is None:
                 return None
         request = b"%s\r\n%s: %s\r\n\r\n%s" % (read.sent, HOP_HEADER, hop, read.body)
-        spliced = _Spliced(front, link, data, scope, target, started)
+        spliced = _Spliced(front, link, data, scope, target, started, read.closes)
         if not link.send(request, spliced):
             return None
         router.stats.forwarded += 1
@@ -857,10 +875,11 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 super().shutdown()
 
         def spliced(self, spliced: _Spliced, keep_alive: bool) -> None:
-            """The spliced request's reply is complete."""
+            """The spliced request's reply is complete; `keep_alive`: the holder keeps the
+            link open."""
             self._spliced = None
             passthrough.finished(spliced, spliced.link.status, keep_alive)
-            self._next(keep_alive)
+            self._next(keep_alive and not spliced.closes)
 
         def _next(self, keep_alive: bool) -> None:
             """After a reply this protocol wrote: close, or wait for the next request."""

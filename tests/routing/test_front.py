@@ -114,10 +114,11 @@ def test_a_head_sent_on_loses_connection_keep_alive_and_gains_the_root_path() ->
     assert read.scope["path"] == "/api/count"
 
 
-def test_a_head_keeps_connection_close_and_its_body_is_read_whole() -> None:
+def test_a_head_loses_connection_close_but_says_it_closes_and_its_body_is_read_whole() -> None:
     head = b"POST /x HTTP/1.1\r\nconnection: close\r\ncontent-length: 12"
     read = HeadReader(None).read(head + b"\r\n\r\n" + b"twelve bytes", "")
-    assert read is not None and read.sent == head and read.body == b"twelve bytes"
+    assert read is not None and read.body == b"twelve bytes"
+    assert (read.sent, read.closes) == (b"POST /x HTTP/1.1\r\ncontent-length: 12", True)
     assert read_head(head, "") is None, "its body is still coming"
 
 
@@ -137,14 +138,16 @@ def test_heads_the_passthrough_leaves_to_the_router_read_as_none() -> None:
         assert read_head(head, "") is None, head
 
 
-def test_keep_alive_lines_all_go_and_a_close_line_stays() -> None:
+def test_keep_alive_and_close_lines_all_go_and_the_close_is_kept_in_mind() -> None:
     read = read_head(
         b"GET / HTTP/1.1\r\nconnection: keep-alive\r\nConnection:\tKEEP-ALIVE \r\n"
-        b"connection: close\r\nhost: t",
+        b"Connection: Close\r\nhost: t",
         "",
     )
     assert read is not None
-    assert read.sent == b"GET / HTTP/1.1\r\nconnection: close\r\nhost: t"
+    assert (read.sent, read.closes) == (b"GET / HTTP/1.1\r\nhost: t", True)
+    kept = read_head(b"GET / HTTP/1.1\r\nconnection: keep-alive\r\nhost: t", "")
+    assert kept is not None and not kept.closes
 
 
 def test_a_head_naming_a_proxys_caller_is_read_and_marked_proxied() -> None:
@@ -228,9 +231,11 @@ def test_a_head_read_again_reads_the_same_and_its_body_must_still_be_whole() -> 
 def test_a_request_that_closes_its_connection_is_read_and_so_is_the_next() -> None:
     reader = HeadReader(None)
     closing = reader.read(b"GET /c HTTP/1.1\r\nconnection: close\r\n\r\n", "")
-    assert closing is not None and closing.sent == b"GET /c HTTP/1.1\r\nconnection: close"
+    assert closing is not None and (closing.sent, closing.closes) == (b"GET /c HTTP/1.1", True)
+    again = reader.read(b"GET /c HTTP/1.1\r\nconnection: close\r\n\r\n", "")
+    assert again is not None and again.closes, "a remembered head closes too"
     after = reader.read(b"GET /d HTTP/1.1\r\nhost: t\r\n\r\n", "")
-    assert after is not None and after.scope["path"] == "/d"
+    assert after is not None and after.scope["path"] == "/d" and not after.closes
 
 
 def test_a_remembered_heads_cookie_is_checked_again_and_stops_naming_it_once_expired() -> None:

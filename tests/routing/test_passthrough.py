@@ -3,6 +3,8 @@ receiving one running `FrontProtocol` as `tether serve` does."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import tether.routing.front as front_module
 import tether.routing.router as router_module
 from tests.routing.apps import session_app
 from tests.routing.conftest import Cluster, Node
+from tests.routing.test_forward import BOUND
 from tests.routing.test_hop import seeded, whoami
 from tether.routing.forward import HOP_BY_HOP
 from tether.routing.sources import Found, find
@@ -118,3 +121,41 @@ async def test_a_request_whose_kept_link_closed_unread_is_served_once_on_a_new_c
     stats = b.routing.router.stats
     assert (stats.passed_through, stats.forwarded) == (1, 3)
     assert private.connections_accepted == 3
+
+
+async def test_a_request_saying_connection_close_keeps_the_link_and_closes_its_connection(
+    cluster: Cluster,
+) -> None:
+    """A client's `connection: close` is not sent on (it is hop-by-hop): the holder keeps
+    the link for the next request, another connection's, while the reply says close and
+    the client's connection closes after it, as uvicorn's own would."""
+    a = await cluster.add(session_app())
+    b = await cluster.add(session_app(), front=True)
+    there = "; ".join(f"{k}={v}" for k, v in (await seeded(a, "far")).items())
+    here = "; ".join(f"{k}={v}" for k, v in (await seeded(b, "near")).items())
+    private = a.routing.private
+    assert private is not None
+    port = int(b.url.rsplit(":", 1)[1])
+    accepted = private.connections_accepted
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            # The first request is b's own, so the connection stays (it moves only on a
+            # first request of another worker's session): the second takes the passthrough.
+            writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {here}\r\n\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert json.loads(await reader.readexactly(length))["worker"] == b.id
+            writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            reply = await asyncio.wait_for(reader.read(), BOUND)  # to its end: closed
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), reply
+        assert b"\r\nconnection: close" in head.lower(), head
+        seen = json.loads(body)
+        assert seen["worker"] == a.id and "connection" not in seen["headers"], seen
+    assert b.routing.router.stats.passed_through == 3
+    assert private.connections_accepted - accepted == 1, "one link for the three"
