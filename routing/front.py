@@ -917,10 +917,13 @@ def front_protocol(passthrough: Passthrough) -> type[HttpToolsProtocol]:
                 if self._closing:
                     super().shutdown()
                 return
-            reply = passthrough.refusal(spliced, self.server_state.default_headers)
+            headers = self.server_state.default_headers
+            if spliced.closes:  # (as uvicorn answers a request that said close)
+                headers = [*headers, (b"connection", b"close")]
+            reply = passthrough.refusal(spliced, headers)
             passthrough.finished(spliced, int(reply[9:12]), False)
             self.transport.write(reply)
-            self._next(True)
+            self._next(not spliced.closes)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self.looking is not None:

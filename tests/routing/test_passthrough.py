@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,3 +160,44 @@ async def test_a_request_saying_connection_close_keeps_the_link_and_closes_its_c
         assert seen["worker"] == a.id and "connection" not in seen["headers"], seen
     assert b.routing.router.stats.passed_through == 3
     assert private.connections_accepted - accepted == 1, "one link for the three"
+
+
+async def test_a_request_saying_close_whose_link_fails_unread_is_refused_and_closed(
+    cluster: Cluster, short_tmp: Path
+) -> None:
+    """A new link its holder's socket closes before reading it (no retry: it may have been
+    read) is answered 503 as copying would, and for a client that said `connection:
+    close` that reply says close and its connection closes after it."""
+    a = await cluster.add(session_app())
+    b = await cluster.add(session_app(), front=True)
+    there = "; ".join(f"{k}={v}" for k, v in (await seeded(a, "far")).items())
+    here = "; ".join(f"{k}={v}" for k, v in (await seeded(b, "near")).items())
+
+    async def closes_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    dying = str(short_tmp / "dying.sock")
+    server = await asyncio.start_unix_server(closes_at_once, dying)
+    assert b.routing.passthrough is not None
+    b.routing.passthrough._paths[a.id] = dying  # a's socket, as if its worker were dying
+    port = int(b.url.rsplit(":", 1)[1])
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {here}\r\n\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert json.loads(await reader.readexactly(length))["worker"] == b.id
+            writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            reply = await asyncio.wait_for(reader.read(), BOUND)  # to its end: closed
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), reply
+    assert json.loads(body)["code"] == "claimant_unavailable"
+    assert b"\r\nconnection: close" in head.lower(), head
