@@ -124,6 +124,31 @@ async def test_a_request_whose_kept_link_closed_unread_is_served_once_on_a_new_c
     assert private.connections_accepted == 3
 
 
+def cookie_header(cookies: Any) -> str:
+    return "; ".join(f"{name}={value}" for name, value in cookies.items())
+
+
+async def closing_request(b: Node, here: str, there: str) -> tuple[bytes, Any]:
+    """On a new connection to `b`, a request of b's own session (cookie `here`), so that
+    the connection stays (it moves only on a first request of another worker's session),
+    then one of another worker's (`there`) saying `connection: close`, which takes the
+    passthrough: the second reply's head and body, read to the connection's end."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(b.url.rsplit(":", 1)[1]))
+    try:
+        writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {here}\r\n\r\n".encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        assert json.loads(await reader.readexactly(length))["worker"] == b.id
+        writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        reply = await asyncio.wait_for(reader.read(), BOUND)  # to its end: closed
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head, json.loads(body)
+
+
 async def test_a_request_saying_connection_close_keeps_the_link_and_closes_its_connection(
     cluster: Cluster,
 ) -> None:
@@ -132,31 +157,14 @@ async def test_a_request_saying_connection_close_keeps_the_link_and_closes_its_c
     the client's connection closes after it, as uvicorn's own would."""
     a = await cluster.add(session_app())
     b = await cluster.add(session_app(), front=True)
-    there = "; ".join(f"{k}={v}" for k, v in (await seeded(a, "far")).items())
-    here = "; ".join(f"{k}={v}" for k, v in (await seeded(b, "near")).items())
+    there, here = cookie_header(await seeded(a, "far")), cookie_header(await seeded(b, "near"))
     private = a.routing.private
     assert private is not None
-    port = int(b.url.rsplit(":", 1)[1])
     accepted = private.connections_accepted
     for _ in range(3):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            # The first request is b's own, so the connection stays (it moves only on a
-            # first request of another worker's session): the second takes the passthrough.
-            writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {here}\r\n\r\n".encode())
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            assert json.loads(await reader.readexactly(length))["worker"] == b.id
-            writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\n"
-                         "Connection: close\r\n\r\n".encode())
-            reply = await asyncio.wait_for(reader.read(), BOUND)  # to its end: closed
-        finally:
-            writer.close()
-            await writer.wait_closed()
-        head, _, body = reply.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200 "), reply
+        head, seen = await closing_request(b, here, there)
+        assert head.startswith(b"HTTP/1.1 200 "), (head, seen)
         assert b"\r\nconnection: close" in head.lower(), head
-        seen = json.loads(body)
         assert seen["worker"] == a.id and "connection" not in seen["headers"], seen
     assert b.routing.router.stats.passed_through == 3
     assert private.connections_accepted - accepted == 1, "one link for the three"
@@ -170,8 +178,7 @@ async def test_a_request_saying_close_whose_link_fails_unread_is_refused_and_clo
     close` that reply says close and its connection closes after it."""
     a = await cluster.add(session_app())
     b = await cluster.add(session_app(), front=True)
-    there = "; ".join(f"{k}={v}" for k, v in (await seeded(a, "far")).items())
-    here = "; ".join(f"{k}={v}" for k, v in (await seeded(b, "near")).items())
+    there, here = cookie_header(await seeded(a, "far")), cookie_header(await seeded(b, "near"))
 
     async def closes_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.close()
@@ -180,24 +187,11 @@ async def test_a_request_saying_close_whose_link_fails_unread_is_refused_and_clo
     server = await asyncio.start_unix_server(closes_at_once, dying)
     assert b.routing.passthrough is not None
     b.routing.passthrough._paths[a.id] = dying  # a's socket, as if its worker were dying
-    port = int(b.url.rsplit(":", 1)[1])
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {here}\r\n\r\n".encode())
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            assert json.loads(await reader.readexactly(length))["worker"] == b.id
-            writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\n"
-                         "Connection: close\r\n\r\n".encode())
-            reply = await asyncio.wait_for(reader.read(), BOUND)  # to its end: closed
-        finally:
-            writer.close()
-            await writer.wait_closed()
+        head, seen = await closing_request(b, here, there)
     finally:
         server.close()
         await server.wait_closed()
-    head, _, body = reply.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 503 "), reply
-    assert json.loads(body)["code"] == "claimant_unavailable"
+    assert head.startswith(b"HTTP/1.1 503 "), (head, seen)
+    assert seen["code"] == "claimant_unavailable"
     assert b"\r\nconnection: close" in head.lower(), head
