@@ -48,6 +48,7 @@ import argparse
 import base64
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -173,18 +174,30 @@ def drive(
     port: int, seconds: float, cookie_file: str, server: int, sticky: bool = False
 ) -> dict[str, Any]:
     """Run the load client against `port` (each connection keeping to one session if
-    `sticky`); its figures, and the server's CPU per reply."""
-    cpu = group_cpu(server)
+    `sticky`); its figures, the server's CPU, and the CPU every process used meanwhile
+    (`window_busy_s` of `window_s`, from /proc/stat)."""
+    cpu, ticks, children = group_cpu(server), cpu_ticks(), _children_cpu()
     client = subprocess.run(
         [sys.executable, "-m", "e2e.bench.load_client", str(port), str(CONNECTIONS),
          str(WARMUP_S), str(seconds), cookie_file, *(["sticky"] if sticky else [])],
         cwd=REPO, capture_output=True, check=True, timeout=seconds + 120,
     )
+    after, client_cpu = cpu_ticks(), _children_cpu() - children
     server_cpu = group_cpu(server) - cpu  # warm-up included: an upper bound per reply
     result: dict[str, Any] = json.loads(client.stdout.decode().strip().splitlines()[-1])
     result["requests_per_s"] = round(result["replies"] / result["seconds"], 1)
     result["server_cpu_s"] = round(server_cpu, 3)
+    tick = os.sysconf("SC_CLK_TCK")
+    result["window_busy_s"] = round((after[0] - ticks[0]) / tick, 2)
+    result["window_s"] = round((after[1] - ticks[1]) / tick, 2)
+    result["client_process_cpu_s"] = round(client_cpu, 3)  # its start and warm-up too
     return result
+
+
+def _children_cpu() -> float:
+    """User and system CPU seconds of this process's children that have ended."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def outcomes(tether: Tether) -> dict[str, float]:
@@ -230,7 +243,6 @@ def run(
         runs.update({"tether, one session per connection": [],
                      "uvicorn, one session per connection": []})
     exits: list[int] = []
-    ticks_before = cpu_ticks()
     def tether_round(one_session: bool) -> dict[str, Any]:
         tether = start_tether(log_dir, APP, WORKERS, ("--log-format", "json",
                                                       "--no-access-log"))
@@ -264,12 +276,13 @@ def run(
                 runs["uvicorn, one session per connection"].append(uvicorn_round(True))
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
-    ticks_after = cpu_ticks()
-    busy = ticks_after[0] - ticks_before[0]
-    capacity = ticks_after[1] - ticks_before[1]
-    ours = sum(
-        r["server_cpu_s"] + r["client_cpu_s"] for rs in runs.values() for r in rs
-    ) * os.sysconf("SC_CLK_TCK")
+    # Other work: what every process used while a client ran, less that server's and
+    # that client's (servers' start-up and stop, between the windows, are not counted).
+    timed = [r for rs in runs.values() for r in rs]
+    capacity = sum(r["window_s"] for r in timed)
+    other = sum(
+        r["window_busy_s"] - r["server_cpu_s"] - r["client_process_cpu_s"] for r in timed
+    )
     measured = {name: statistics.median(r["requests_per_s"] for r in rs)
                 for name, rs in runs.items()}
     ratio = round(measured["tether"] / measured["uvicorn"], 3)
@@ -307,9 +320,9 @@ def run(
             **machine(PACKAGES),
             "load_average_before": load_before,
             "load_average_after": load_average(),
-            # Rough: the servers' warm-up CPU counts as theirs, the rest of the run as other work.
+            # While the clients ran (the kernel's own network work counts as other).
             "other_work_cpu_percent": round(
-                100 * max(0.0, busy - ours) / capacity, 1) if capacity else 0.0,
+                100 * max(0.0, other) / capacity, 1) if capacity else 0.0,
         },
         "code": code_version(),
         "setup": {
@@ -384,7 +397,7 @@ def update_doc(result: dict[str, Any], path: Path) -> None:
         "<!-- throughput:generated:begin (written by the benchmark; edit outside it) -->",
         f"Latest run: {result['timestamp']}, `{result['command']}`, {m['nproc']} CPUs "
         f"({m['cpu_model']}), Python {m['python']}; other processes used "
-        f"{m['other_work_cpu_percent']}% of the CPUs during the run.",
+        f"{m['other_work_cpu_percent']}% of the CPUs while the clients ran.",
         "",
         table(result),
         "<!-- throughput:generated:end -->",
