@@ -176,6 +176,8 @@ class Participant:
         self._in_progress: dict[str, int] = {}
         self._open = asyncio.Event()
         self._open.set()
+        self._closed = False
+        """Admission is closed: `_open` unset, as a plain attribute (`admit` reads it)."""
         self._changed: list[Callable[[], None]] = []
         self.restored = False
         self.remote: RemoteRecords | None = None
@@ -205,12 +207,14 @@ class Participant:
 
     @property
     def admission_closed(self) -> bool:
-        return not self._open.is_set()
+        return self._closed
 
     def close_admission(self) -> None:
+        self._closed = True
         self._open.clear()
 
     def open_admission(self) -> None:
+        self._closed = False
         self._open.set()
         returning, self._returning = self._returning, {}
         for held in returning.values():
@@ -235,7 +239,7 @@ class Participant:
         building the state a checkpoint would write."""
         if background:
             return None
-        if self.admission_closed:
+        if self._closed:  # (`admission_closed` without the property's call: every request asks)
             if stateless:
                 return None
             if session_id is None or not self.holds(session_id):
@@ -265,7 +269,8 @@ class Participant:
                 self._in_progress[key] = count
             else:
                 del self._in_progress[key]
-                self.changed()
+                for callback in self._changed:  # (`changed`, inline: most requests end here)
+                    callback()
 
         return leave
 

@@ -507,7 +507,8 @@ class Router:
         send: Send,
         forwarded: bool,
     ) -> None:
-        """Serve here, claiming the session before the reply's first byte if it was used."""
+        """Serve here, claiming the session before the reply's first byte if it was used.
+        (One coroutine, admission included: every request served here runs it.)"""
         leave = None
         admission = self.admission
         if admission is not None:
@@ -525,57 +526,44 @@ class Router:
         if not forwarded:
             self.stats.local += 1
         try:
-            await self._serve_admitted(session_id, found, facts, scope, receive, send)
-        finally:
-            if leave is not None:
-                leave()
-
-    async def _serve_admitted(
-        self,
-        session_id: SessionId | None,
-        found: Found,
-        facts: RouteFacts,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        kind = self.kind
-        if kind is None:
-            await self.app(scope, receive, send)
-            return
-        minted = False
-        if session_id is None:
-            if not (kind.mints and kind.cookie is not None):
-                await self._serve_with_reply_header(facts, scope, receive, send)
+            kind = self.kind
+            if kind is None:
+                await self.app(scope, receive, send)
                 return
-            session_id = new_session_id()
-            minted = True
-        role: Role = "other"
-        if facts.start:
-            role = "start"
-        elif facts.end and not (found.close_follows and not facts.close):
-            role = "end"
-        claims = self.claims
-        if claims is not None and not claims.mine(session_id):
-            placed = self.tables.placed.get(session_id) == self.worker
-            if role == "start" or facts.close or placed:
-                try:
-                    owner = await claims.claim(session_id, fresh=minted)
-                except TetherError as error:  # the cluster's store is out of reach
-                    await self._refuse(send, error)
+            minted = False
+            if session_id is None:
+                if not (kind.mints and kind.cookie is not None):
+                    await self._serve_with_reply_header(facts, scope, receive, send)
                     return
-                if owner != self.worker:
-                    await self._refuse(send, _conflict(session_id, owner))
-                    return
-        if kind.cookie is not None and found.cookie_id != session_id:
-            scope = _with_session_cookie(scope, kind, found, session_id)
-        session = _Served(self, session_id, role, minted, scope, send)
-        if claims is not None:
+                session_id = new_session_id()
+                minted = True
+            role: Role = "other"
+            if facts.start:
+                role = "start"
+            elif facts.end and not (found.close_follows and not facts.close):
+                role = "end"
+            claims = self.claims
+            if claims is not None and not claims.mine(session_id):
+                placed = self.tables.placed.get(session_id) == self.worker
+                if role == "start" or facts.close or placed:
+                    try:
+                        owner = await claims.claim(session_id, fresh=minted)
+                    except TetherError as error:  # the cluster's store is out of reach
+                        await self._refuse(send, error)
+                        return
+                    if owner != self.worker:
+                        await self._refuse(send, _conflict(session_id, owner))
+                        return
+            if kind.cookie is not None and found.cookie_id != session_id:
+                scope = _with_session_cookie(scope, kind, found, session_id)
+            session = _Served(self, session_id, role, minted, scope, send)
+            if claims is None:
+                await self.app(scope, receive, session.send)
+                return
             claims.begin(session_id)
-        try:
-            await self.app(scope, receive, session.send)
-        finally:
-            if claims is not None:
+            try:
+                await self.app(scope, receive, session.send)
+            finally:
                 claims.end(session_id, role, session.ok)
                 if minted and not session.ok:
                     await claims.drop(session_id)  # no cookie named it, so nobody can
@@ -584,6 +572,9 @@ class Router:
                 if session.rotated_id is not None:
                     claims.end(session.rotated_id, "other", session.ok)
                     claims.renamed(session_id, session.rotated_id)
+        finally:
+            if leave is not None:
+                leave()
 
     async def _serve_with_reply_header(
         self, facts: RouteFacts, scope: Scope, receive: Receive, send: Send
@@ -675,7 +666,8 @@ class _Served:
                 self.refused = True
                 await self.router._refuse(self._send, error)
                 return
-            self._name_in_cookie(scope, message)
+            if self.role == "start" or (self.minted and self.used):
+                self._name_in_cookie(scope, message)
         await self._send(message)
 
     def _read_start(self, scope: Scope, message: Message) -> bool:
@@ -693,7 +685,9 @@ class _Served:
         session = scope.get("session")
         self.used = used = bool(getattr(session, "accessed", False))
         sid = self.session_id
-        self.rotated = rotated = _rotated(kind, sid, session, message)
+        if getattr(session, "modified", False):
+            self.rotated = _rotated(kind, sid, session, message)
+        rotated = self.rotated
         if rotated is not None or kind.reply_header is not None or self.body_id is not None:
             return True
         evidence = used or (sid is not None and kind.holder is not None and kind.holder.holds(sid))
@@ -746,14 +740,12 @@ class _Served:
 
     def _name_in_cookie(self, scope: Scope, message: Message) -> None:
         """A start's reply names its session; a minted ID is named once the handler used
-        it; a failed request never hands out a minted ID."""
+        it (`send` calls this for those two only); a failed request never hands out a
+        minted ID."""
         kind = self.router.kind
         assert kind is not None
         sid = self.session_id
-        if sid is None or kind.cookie is None:
-            return
-        if not ((self.role == "start" or (self.minted and self.used))
-                and (self.ok or not self.minted)):
+        if sid is None or kind.cookie is None or not (self.ok or not self.minted):
             return
         prefix = kind.cookie.name.encode() + b"="
         headers = message.setdefault("headers", [])
