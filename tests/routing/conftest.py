@@ -13,10 +13,11 @@ import httpx
 import pytest
 import uvicorn
 
+from tether.routing.claims import ClaimStore
 from tether.routing.front import front_protocol
 from tether.routing.kinds import SessionKind, declared_kind
 from tether.routing.types import WorkerId
-from tether.routing.worker import RoutingWorker
+from tether.routing.worker import HopListener, RoutingWorker
 
 
 @dataclass
@@ -58,15 +59,20 @@ class Cluster:
         access_log: bool = False,
         root_path: str = "",
         front: bool = False,
+        store: ClaimStore | None = None,
+        hops: HopListener | None = None,
     ) -> Node:
         """Start a worker; its public server trusts proxy headers from 127.0.0.1 and serves
         under `root_path` (uvicorn's `--root-path`); with `front`, it runs the passthrough
-        (routing/front.py) as `tether serve` does."""
+        (routing/front.py) as `tether serve` does. `store` and `hops`: a cluster's claim
+        store and hop listener, as a host of one gives its workers."""
         routing = RoutingWorker(
             app,
             kind=kind or declared_kind(app),
             runtime_dir=None if single else self.runtime_dir,
             access_log=access_log,
+            store=store,
+            hops=hops,
         )
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
