@@ -200,7 +200,8 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            # (a 101: a forwarded request never asks to switch protocols) the reply is lost
             self.transport.abort()
         waiter = self.waiter
         if waiter is not None and not waiter.done():

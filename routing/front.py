@@ -183,7 +183,9 @@ class HeadReader:
         remembered (a session's requests repeat one head): it depends on the head's bytes
         alone, but for a cookie's signature check, which is made again as often as
         `CookieCodec.read` says; a request whose body is not as long as its head
-        declares is parsed whole again."""
+        declares is parsed whole again. One whose body is as long but that blank lines
+        follow, which the parser skips, is not taken: remembered, its length would be
+        off by theirs."""
         end = data.find(b"\r\n\r\n")
         if end < 0:
             return None
@@ -199,14 +201,17 @@ class HeadReader:
             scope[FOUND_KEY] = known.found.copy()
             return _Head(scope, data[end + 4 :], known.sent, known.proxied, known.closes)
         read = self._read(data, end, root_path)
-        if read is not None:
-            self._known_bytes += len(head)
-            if len(self._known) >= HEADS_REMEMBERED or self._known_bytes > HEAD_BYTES_REMEMBERED:
-                self._known.clear()
-                self._known_bytes = len(head)
-            found = find(self._kind, read.scope)
-            self._known[head] = _Known(read, root_path, len(data) - end - 4, found)
-            read.scope[FOUND_KEY] = found.copy()
+        if read is None:
+            return None
+        found = find(self._kind, read.scope)
+        if len(read.body) != (found.content_length or 0):
+            return None  # blank lines after it, which the parser skips: left to uvicorn
+        self._known_bytes += len(head)
+        if len(self._known) >= HEADS_REMEMBERED or self._known_bytes > HEAD_BYTES_REMEMBERED:
+            self._known.clear()
+            self._known_bytes = len(head)
+        self._known[head] = _Known(read, root_path, len(read.body), found)
+        read.scope[FOUND_KEY] = found.copy()
         return read
 
     def _read(self, data: bytes, end: int, root_path: str) -> _Head | None:

@@ -153,7 +153,8 @@ class Link:
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            # (a 101: no request sent here asks to switch protocols) the reply is lost
             self.close()
             reader.lost(self)
             return

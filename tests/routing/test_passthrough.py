@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 import tether.routing.front as front_module
 import tether.routing.router as router_module
@@ -195,3 +198,86 @@ async def test_a_request_saying_close_whose_link_fails_unread_is_refused_and_clo
     assert head.startswith(b"HTTP/1.1 503 "), (head, seen)
     assert seen["code"] == "claimant_unavailable"
     assert b"\r\nconnection: close" in head.lower(), head
+
+
+async def read_reply(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One reply with a content-length: its head and its body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return head, await asyncio.wait_for(reader.readexactly(length), BOUND)
+
+
+async def test_a_request_followed_by_a_stray_blank_line_lets_no_later_bytes_onto_its_link(
+    cluster: Cluster,
+) -> None:
+    """httptools skips a blank line after a whole request. The next request of the same
+    head must not be read as one whose body is that much longer, or the bytes of the
+    request pipelined after it would go to the holder as the start of the link's next
+    request: that one (the client's own, or another connection's) would be answered 400."""
+    a = await cluster.add(session_app())
+    b = await cluster.add(session_app(), front=True)
+    there, here = cookie_header(await seeded(a, "far")), cookie_header(await seeded(b, "near"))
+    posted = f"POST /touch HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\ncontent-length: 3\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(b.url.rsplit(":", 1)[1]))
+    try:
+        # b's own session first: the connection stays with b, and later requests pass through.
+        writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {here}\r\n\r\n".encode())
+        assert json.loads((await read_reply(reader))[1])["worker"] == b.id
+        writer.write(posted.encode() + b"abc\r\n")
+        replies = [await read_reply(reader)]
+        writer.write(posted.encode() + b"abcGE")  # the next request's first bytes come along
+        await asyncio.sleep(0.05)
+        writer.write(f"T /touch HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\n\r\n".encode())
+        replies += [await read_reply(reader), await read_reply(reader)]
+        writer.write(f"GET /touch HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\n\r\n".encode())
+        replies.append(await read_reply(reader))  # passed through
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+    assert [head.split(b"\r\n")[0] for head, _ in replies] == [b"HTTP/1.1 200 OK"] * 4, replies
+    seen = [json.loads(body) for _, body in replies]
+    assert [one["n"] for one in seen] == [1, 2, 3, 4]
+    assert {one["worker"] for one in seen} == {a.id}
+    assert b.routing.router.stats.passed_through >= 1
+
+
+def switching_app() -> Any:
+    """`session_app` with a route whose handler answers 101 to any request."""
+    app = session_app()
+
+    async def switch(request: Request) -> Response:
+        return Response(status_code=101, headers={"upgrade": "x", "connection": "upgrade"})
+
+    app.router.routes.append(Route("/switch", switch))
+    return app
+
+
+async def test_a_holders_101_to_a_request_that_asked_no_upgrade_is_answered_503_at_once(
+    cluster: Cluster,
+) -> None:
+    """No request sent on a link or a forwarder's connection asks to switch protocols, so
+    a 101 from the app is a reply the hop cannot carry: either way the client is
+    answered 503 at once (the copying way's parser and the passthrough's both raise
+    `HttpParserUpgrade`, which once left the passthrough's client waiting for the
+    holder's keep-alive to end)."""
+    a = await cluster.add(switching_app())
+    b = await cluster.add(switching_app(), front=True)
+    there, here = cookie_header(await seeded(a, "far")), cookie_header(await seeded(b, "near"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(b.url.rsplit(":", 1)[1]))
+    try:
+        writer.write(f"GET /whoami HTTP/1.1\r\nhost: t\r\ncookie: {here}\r\n\r\n".encode())
+        assert json.loads((await read_reply(reader))[1])["worker"] == b.id
+        writer.write(f"GET /switch HTTP/1.1\r\nhost: t\r\ncookie: {there}\r\n\r\n".encode())
+        spliced = await read_reply(reader)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    async with b.client() as client:  # naming the worker: the copying way
+        copied = await client.get("/switch", headers={"x-tether-worker": a.id})
+
+    assert b.routing.router.stats.passed_through == 1
+    assert spliced[0].startswith(b"HTTP/1.1 503 "), spliced
+    assert json.loads(spliced[1])["code"] == "claimant_unavailable"
+    assert copied.status_code == 503, copied.text
+    assert copied.json()["code"] == "claimant_unavailable"
