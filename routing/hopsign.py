@@ -31,6 +31,10 @@ The listener accepts a signature whose time is within `window_s` (30 s) of its o
 clock either way (the hosts' clocks must agree that well), and each nonce once: it
 remembers a nonce until its signature is too old to pass anyway, only once the HMAC
 checked (so forged requests cannot fill the memory), and at most `max_nonces` at a time.
+A signature no newer than one whose nonce it let go stays too old even if the clock
+then steps back (a time correction), when it would otherwise pass again unremembered;
+so a step back of more than `window_s` refuses hops until the clock is back within
+`window_s` of where it was.
 Past that many it refuses new signatures (`FULL`, answered 503 `claimant_unavailable`)
 rather than forget a nonce early, which would open a replay.
 """
@@ -40,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import math
 import os
 import re
 import secrets
@@ -162,6 +167,9 @@ class HopVerifier:
         self._key = _keyed(secret)
         self._seen: set[str] = set()
         self._expiries: list[tuple[float, str]] = []  # a heap: when each nonce may go
+        self._forgotten = -math.inf
+        """The latest expiry of a nonce let go: a signature whose own is no later may
+        have been seen (the clock stepped back since), so it is too old."""
 
     def __len__(self) -> int:
         """How many nonces are remembered now."""
@@ -185,6 +193,8 @@ class HopVerifier:
             return "too old"
         if -age > self.window_s:
             return "from the future"
+        if int(when) + self.window_s <= self._forgotten:
+            return "too old"  # (by the clock its nonce went at, since stepped back)
         expected = _mac(self._key, method, path, when, nonce, target)
         if not hmac.compare_digest(mac, expected):
             return "bad signature"
@@ -201,7 +211,8 @@ class HopVerifier:
     def _prune(self, now: float) -> None:
         expiries = self._expiries
         while expiries and expiries[0][0] < now:
-            self._seen.discard(heapq.heappop(expiries)[1])
+            self._forgotten, nonce = heapq.heappop(expiries)
+            self._seen.discard(nonce)
 
 
 def load_hop_secret(path: str) -> bytes:

@@ -144,6 +144,24 @@ def test_nonces_age_out_once_their_signature_is_too_old_anyway() -> None:
     assert len(check) == 2  # the three of T0 went
 
 
+def test_a_signature_whose_nonce_went_stays_too_old_when_the_clock_steps_back() -> None:
+    """A time correction sets the clock back: a signature seen, and let go once too old,
+    would be fresh again with nothing remembering it. It stays refused; signatures made
+    after the one let go still pass."""
+    clock = Clock()
+    check = verifier(clock)
+    first = signed()
+    assert check.check(first, "GET", "/a?b=1", WORKER) is None
+    clock.now = T0 + 31  # the next check lets the first nonce go
+    assert check.check(signed(now=clock.now), "GET", "/a?b=1", WORKER) is None
+    assert len(check) == 1
+
+    clock.now = T0 + 10  # stepped back: `first` is 10 s old again
+    assert check.check(first, "GET", "/a?b=1", WORKER) == "too old"
+    assert check.check(signed(now=T0 + 1), "GET", "/a?b=1", WORKER) is None
+    assert check.check(signed(now=clock.now), "GET", "/a?b=1", WORKER) is None
+
+
 def test_over_the_cap_a_valid_signature_is_refused_rather_than_a_nonce_forgotten() -> None:
     clock = Clock()
     check = verifier(clock, max_nonces=2)
