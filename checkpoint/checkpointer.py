@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -289,15 +290,15 @@ class Checkpointer:
         cid = action.key.checkpoint_id
         started = time.perf_counter()
         event: ph.Event
-        blockers = await self.fleet.blockers(fresh=True)
-        if blockers.total:
-            event = ph.CommitFailed(cid, "not_ready", {"blockers": blockers.listed,
-                                                       "blockers_total": blockers.total})
-            return await self._carry_out(self.machine.handle(event, self.clock()), "commit", {})
-        try:
-            async with asyncio.timeout(max(action.deadline - self.clock(), 0.001)):
-                manifest = await self._write(cid, action.key.scope)
-            event = ph.CommitDone(cid, manifest)
+        unready = False  # the fresh check found blockers: a commit refused, not failed
+        try:  # (the check runs the app's `busy` and `sessions`, which may raise too)
+            blockers = await self.fleet.blockers(fresh=True)
+            if blockers.total:
+                unready = True
+                event = ph.CommitFailed(cid, "not_ready", {"blockers": blockers.listed,
+                                                           "blockers_total": blockers.total})
+            else:
+                event = ph.CommitDone(cid, await self._write(cid, action))
         except TimeoutError:
             event = ph.CommitFailed(cid, "deadline_exceeded", "the commit missed its deadline")
         except TetherError as error:
@@ -310,6 +311,8 @@ class Checkpointer:
         except Exception as error:  # the app's export or the disk: the commit fails, cleanly
             log.exception("commit_error", checkpoint_id=cid)
             event = ph.CommitFailed(cid, "commit_failed", f"{type(error).__name__}: {error}")
+        if unready:
+            return await self._carry_out(self.machine.handle(event, self.clock()), "commit", {})
         seconds = time.perf_counter() - started
         if isinstance(event, ph.CommitDone):
             segments = event.manifest.get("segments", [])
@@ -322,7 +325,12 @@ class Checkpointer:
             self._emit(PhaseChange("commit_failed", cid, seconds, code=event.code))
         return await self._carry_out(self.machine.handle(event, self.clock()), "commit", {})
 
-    async def _write(self, cid: str, scope: frozenset[str] | None) -> dict[str, Any]:
+    async def _write(self, cid: str, action: ph.WriteCheckpoint) -> dict[str, Any]:
+        """Export and publish; the deadline bounds the export only (`TimeoutError`). The
+        temp dir is made and the manifest published each to its end, even if the task is
+        cancelled meanwhile: a publish cut short by a deadline would go on in its thread
+        after the commit answered that it failed, and beside the temp dir's removal."""
+        scope = action.key.scope
         root, name = self._where()
         if self._sweep is not None:
             try:
@@ -333,9 +341,10 @@ class Checkpointer:
                 if swept:
                     log.info("crashed_commits_swept", temp_dirs=swept)
             self._sweep = None
-        pending = await asyncio.to_thread(begin_commit, root, cid, name)
+        pending = await _to_the_end(begin_commit, root, cid, name)
         try:
-            workers, segments, counts = await self.fleet.export(pending, scope)
+            async with asyncio.timeout(max(action.deadline - self.clock(), 0.001)):
+                workers, segments, counts = await self.fleet.export(pending, scope)
             fields: Any = {
                 "workers": workers,
                 "owner_aliases": self.fleet.owner_aliases(),
@@ -345,7 +354,9 @@ class Checkpointer:
             }
             # The fleet vouches for the counts: its writer counted them in this process,
             # or it read every worker's index. Reading them again would double the cost.
-            manifest = await asyncio.to_thread(pending.publish, fields, check_indexes=False)
+            manifest = await _to_the_end(
+                functools.partial(pending.publish, fields, check_indexes=False)
+            )
         except BaseException:
             await asyncio.to_thread(pending.abort)
             raise
@@ -388,11 +399,24 @@ class Checkpointer:
         return await self._carry_out(self.machine.handle(event, self.clock()), "restore", {})
 
     async def _abort(self, action: ph.ReleaseInstalled) -> Any:
+        """Release what the restore installed, then reopen admission as the machine says,
+        even if the app's release failed (its error is then the answer: 500)."""
+        failure: Exception | None = None
         try:
             await self.fleet.release_installed()
+        except Exception as error:
+            log.exception("abort_release_failed", checkpoint_id=action.key.checkpoint_id)
+            failure = error
         finally:
             step = self.machine.handle(ph.AbortDone(action.key.checkpoint_id), self.clock())
-        return await self._carry_out(step, "abort_restore", {})
+        answer = await self._carry_out(step, "abort_restore", {})
+        if failure is not None:
+            raise TetherError(
+                "internal_error",
+                f"the restore was aborted, but releasing it failed: "
+                f"{type(failure).__name__}: {failure}",
+            )
+        return answer
 
     def _emit(self, event: PhaseChange) -> None:
         for observer in self.observers:
@@ -461,3 +485,18 @@ def _render(answer: Any) -> Any:
     if isinstance(answer, ph.AbortAnswer):
         return {"phase": "open", "fresh": True}
     return answer
+
+
+T = TypeVar("T")
+
+
+async def _to_the_end(call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)` in a thread, waited for to its end even when this task is cancelled
+    meanwhile (the cancellation then goes on once it has): a thread cannot be stopped,
+    and what it does to the disk must be over before the caller cleans up after it."""
+    running = asyncio.ensure_future(asyncio.to_thread(call, *args))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait([running])
+        raise

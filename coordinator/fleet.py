@@ -244,10 +244,11 @@ class ChannelFleet:
         if dry_run:
             return answer
         tables = await asyncio.to_thread(self._write_tables, placement.sessions, placement.aliases)
-        # From here a worker that registers is welcomed with these tables (SPEC 5.7): it
-        # routes old cookies from its first request even while the others install.
-        self.tables_file, self.aliases = tables, dict(placement.aliases)
         reads = await asyncio.to_thread(_reads, checkpoint, placement.sessions)
+        # From here a worker that registers is welcomed with these tables (SPEC 5.7): it
+        # routes old cookies from its first request even while the others install. (Set
+        # only where the `try` below takes them back if the restore fails.)
+        self.tables_file, self.aliases = tables, dict(placement.aliases)
         # Every placed worker is called, registered or not: one that left since the
         # placement fails the call (ChannelLost) and the restore with it, all or nothing.
         bodies = {w: {"tables": tables, "segments": reads.get(w, [])}
