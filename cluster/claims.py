@@ -11,7 +11,8 @@ Every script is idempotent, so redis-py's retry of a command whose reply was los
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import redis.asyncio
@@ -32,9 +33,27 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.exceptions.OutOfMemoryError,
 )
 """What a Redis call raises when Redis cannot serve it now: all become `cluster_unavailable`."""
+NOT_NOW = ("MISCONF ", "BUSY ", "NOREPLICAS ")
+"""Error replies that mean the same, which redis-py raises as a plain `ResponseError`: a
+failed snapshot stops writes (a full disk), a script runs past its time limit, too few
+replicas take writes."""
 
 BATCH = 500
 """Claims per script call in `sweep_worker` and `take_over` (one pipeline for all batches)."""
+
+
+@contextlib.contextmanager
+def answered() -> Iterator[None]:
+    """Around Redis calls: what means "not now" (`UNAVAILABLE`, `NOT_NOW`) is raised as
+    `cluster_unavailable`; any other error reply goes on as Redis gave it."""
+    try:
+        yield
+    except UNAVAILABLE as error:
+        raise unavailable(error) from error
+    except redis.exceptions.ResponseError as error:
+        if str(error).startswith(NOT_NOW):
+            raise unavailable(error) from error
+        raise
 
 
 def unavailable(error: BaseException) -> TetherError:
@@ -51,20 +70,36 @@ def text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# Whether the `trusted` marker (KEYS[1] where `_TRUSTED` is prepended) names this
+# Redis's own run: one of another run came back with a snapshot (a restart that loads an
+# RDB or AOF file, a replica promoted) that may have lost claims written after it.
+_TRUSTED = """
+local function trusted(marker)
+  local run = redis.call('GET', marker)
+  return run and run == string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+end
+"""
+
+# KEYS[1] the `trusted` marker; answers 1 if the claims are trusted under this run.
+_LOOKUP_MISS = _TRUSTED + """
+if trusted(KEYS[1]) then return 1 end
+return 0
+"""
+
 # KEYS[1] the claim, KEYS[2] the worker's index, KEYS[3] the `trusted` marker, KEYS[4]
 # the claimants; ARGV[1] the worker, ARGV[2] the session, ARGV[3] '1' for an ID just
 # minted here. Answers the
 # claimant; '' for a claim key that is not a string (reported as a conflict); 0, writing
 # nothing, for an ID a request named that nobody claims while the claims are not trusted
 # (it may be a session whose claim a Redis that came back empty lost).
-_CLAIM = """
+_CLAIM = _TRUSTED + """
 local holder = redis.pcall('GET', KEYS[1])
 if type(holder) == 'string' then
   if holder == ARGV[1] then redis.call('SADD', KEYS[2], ARGV[2]) end
   return holder
 end
 if type(holder) == 'table' then return '' end
-if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+if ARGV[3] ~= '1' and not trusted(KEYS[3]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[4], ARGV[1])
@@ -172,9 +207,9 @@ class RedisClaimStore:
 
     Takes any `redis.asyncio.Redis` client, with or without `decode_responses`: replies
     are decoded here. A claim and a release are one round trip each (a script), a lookup
-    one `GET` (and an `EXISTS` when it finds nothing). While the claims are not trusted
-    (`trust`), an ID nobody claims answers `cluster_unavailable` unless it was just
-    minted. Every Redis failure that means
+    one `GET` (and a check of the trust marker when it finds nothing). While the claims
+    are not trusted under this Redis's own run ID (`trust`), an ID nobody claims answers
+    `cluster_unavailable` unless it was just minted. Every Redis failure that means
     "not now" is raised as `TetherError("cluster_unavailable")`; a claim key holding
     anything but a worker ID is `TetherError("session_conflict")`, as a bad claim file is
     for `FileClaimStore`.
@@ -184,6 +219,7 @@ class RedisClaimStore:
         self.client = client
         self.keys = ServiceKeys(service)
         self._claim = client.register_script(_CLAIM)
+        self._lookup_miss = client.register_script(_LOOKUP_MISS)
         self._trust = client.register_script(_TRUST)
         self._take_over = client.register_script(_TAKE_OVER)
         self._release = client.register_script(_RELEASE)
@@ -194,24 +230,24 @@ class RedisClaimStore:
     ) -> WorkerId:
         keys = (self.keys.claim(session_id), self.keys.worker_claims(worker), self.keys.trusted,
                 self.keys.claimants)
-        try:
+        with answered():
             holder = await self._claim(keys=keys, args=(worker, session_id, "1" if fresh else ""))
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         return _holder(session_id, holder)
 
     async def claimant(self, session_id: SessionId) -> WorkerId | None:
-        """One `GET`; a miss costs an `EXISTS` of the trust marker more (a miss read
-        from a Redis that lost its claims is not an answer). Not atomic, and need not be:
-        the marker is set a TTL after the claims were lost at the soonest, so a `GET`
-        that missed because they were lost never meets it. (`MGET` would be one round
-        trip, but reads a claim key of another type as missing.)"""
+        """One `GET`; a miss costs a check of the trust marker more (a miss read from a
+        Redis that lost its claims is not an answer), a script that compares it with
+        this Redis's run ID. Not atomic, and need not be: the marker is set a TTL after
+        the claims were lost at the soonest, so a `GET` that missed because they were
+        lost never meets it. (`MGET` would be one round trip, but reads a claim key of
+        another type as missing.)"""
         try:
-            holder = await self.client.get(self.keys.claim(session_id))
-            if holder is None and not await self.client.exists(self.keys.trusted):
-                raise TetherError("cluster_unavailable", CLAIMS_UNTRUSTED)
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
+            with answered():
+                holder = await self.client.get(self.keys.claim(session_id))
+                if holder is None and not int(
+                    await self._lookup_miss(keys=(self.keys.trusted,))
+                ):
+                    raise TetherError("cluster_unavailable", CLAIMS_UNTRUSTED)
         except redis.exceptions.ResponseError as error:  # WRONGTYPE: not a claim
             raise TetherError(
                 "session_conflict", f"the claim of {session_id!r} holds no worker ID"
@@ -222,19 +258,15 @@ class RedisClaimStore:
         """Whether a lookup that finds no claim may be trusted under Redis run `run_id`,
         and the re-assertion round under way if not (see `_TRUST`)."""
         keys = (self.keys.trusted, self.keys.untrusted_since, self.keys.hosts)
-        try:
+        with answered():
             args = (run_id, ttl_ms, self.keys.host_prefix)
             trusted, round_ = await self._trust(keys=keys, args=args)
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         return int(trusted) == 1, text(round_) or ""
 
     async def release(self, session_id: SessionId, worker: WorkerId) -> None:
         keys = (self.keys.claim(session_id), self.keys.worker_claims(worker))
-        try:
+        with answered():
             await self._release(keys=keys, args=(worker, session_id))
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
 
     async def claims_of(self, worker: WorkerId) -> set[SessionId]:
         """The sessions in `worker`'s index (what it claimed and has not released)."""
@@ -248,18 +280,14 @@ class RedisClaimStore:
         Any live host may call it once the close window after the worker's death passed."""
         members = list(await self._members(worker))
         replies = await self._batches(self._sweep, worker, members)
-        try:
+        with answered():
             await self.client.srem(self.keys.claimants, worker)
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         return sum(int(reply) for reply in replies)
 
     async def claimants(self) -> set[WorkerId]:
         """Every worker that claimed sessions and was not swept since."""
-        try:
+        with answered():
             members = await self.client.smembers(self.keys.claimants)
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         found = {worker_id_or_none(text(member)) for member in members}
         return {worker for worker in found if worker is not None}
 
@@ -291,7 +319,7 @@ class RedisClaimStore:
         if not restored:
             return {}
         index = self.keys.worker_claims(worker)
-        try:
+        with answered():
             async with self.client.pipeline(transaction=False) as pipe:
                 for start in range(0, len(restored), BATCH):
                     batch = restored[start : start + BATCH]
@@ -300,8 +328,6 @@ class RedisClaimStore:
                     args = [worker, *(v for sid, before in batch for v in (sid, before or ""))]
                     await self._take_over(keys=keys, args=args, client=pipe)
                 replies = list(await pipe.execute())
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         taken: dict[SessionId, WorkerId | None] = {}
         for start, reply in zip(range(0, len(restored), BATCH), replies, strict=True):
             for position, holder in zip(reply[::2], reply[1::2], strict=True):
@@ -309,10 +335,8 @@ class RedisClaimStore:
         return taken
 
     async def _members(self, worker: WorkerId) -> set[Any]:
-        try:
+        with answered():
             return await self.client.smembers(self.keys.worker_claims(worker))
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
 
     async def _batches(
         self, script: Any, worker: WorkerId, members: Sequence[Any]
@@ -324,15 +348,13 @@ class RedisClaimStore:
             return []
         index = self.keys.worker_claims(worker)
         prefix = self.keys.claim(SessionId(""))
-        try:
+        with answered():
             async with self.client.pipeline(transaction=False) as pipe:
                 for start in range(0, len(members), BATCH):
                     batch = members[start : start + BATCH]
                     keys = [index, *(_join(prefix, member) for member in batch)]
                     await script(keys=keys, args=[worker, *batch], client=pipe)
                 return list(await pipe.execute())
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
 
 
 def _join(prefix: str, member: str | bytes) -> str | bytes:

@@ -8,6 +8,8 @@ should not::
     tether:{service}:worker:{worker_id}:claims set: the session IDs that worker claimed
     tether:{service}:host:{host_id}            string: the host's record (JSON), with a TTL
     tether:{service}:epoch:{host_id}           integer: the host's latest epoch (INCR)
+    tether:{service}:joined:{host_id}          string: `<token> <epoch>` of its last join,
+                                               with the record's TTL
     tether:{service}:hosts                     set: host IDs that published a record
 
 The `hosts` set lets a reader find every host record without a SCAN of the whole
@@ -58,8 +60,9 @@ class ServiceKeys:
         """The set of workers that claimed sessions and were not swept since: a host finds
         the dead among them even if no live host saw them die."""
         self.trusted = f"{self.prefix}trusted"
-        """Exists (holding the Redis run ID) once the claims are known complete: until
-        then a lookup that finds no claim cannot tell a new session from a lost claim."""
+        """Holds the Redis run ID under which the claims are known complete: until then
+        (and under another run: a snapshot brought the marker back) a lookup that finds
+        no claim cannot tell a new session from a lost claim."""
         self.untrusted_since = f"{self.prefix}untrusted-since"
         """`<run ID> <ms>`: when this Redis was first seen without `trusted` (names the
         re-assertion round every host takes part in)."""
@@ -76,6 +79,10 @@ class ServiceKeys:
     def host_prefix(self) -> str:
         """What every host record's key starts with (a script builds them from it)."""
         return self._host
+
+    def joined(self, host_id: str) -> str:
+        """A host's last join, so that its retry (the reply was lost) answers the same."""
+        return f"{self.prefix}joined:{_checked('host ID', host_id)}"
 
     def host(self, host_id: str) -> str:
         """One host's record in the live set (expires unless refreshed)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import redis.asyncio
 import redis.exceptions
 import structlog
 
-from tether.cluster.claims import UNAVAILABLE, text, unavailable
+from tether.cluster.claims import answered, text
 from tether.cluster.keys import ServiceKeys, name_problem
 from tether.routing.errors import TetherError
 from tether.routing.types import WorkerId, worker_id_or_none
@@ -118,15 +119,22 @@ class LiveWorker(NamedTuple):
     address: str
 
 
-# KEYS[1] host record, KEYS[2] epoch counter, KEYS[3] hosts set; ARGV[1] the host ID,
-# ARGV[2] TTL in ms. Takes the next epoch and writes an empty record (as
-# `HostRecord.encode` would), unless a record of the host ID exists: then answers 0 and
-# leaves the counter alone, so a refused start never fences out the live incarnation.
+# KEYS[1] host record, KEYS[2] epoch counter, KEYS[3] hosts set, KEYS[4] the host's last
+# join; ARGV[1] the host ID, ARGV[2] TTL in ms, ARGV[3] this join's token. Takes the next
+# epoch and writes an empty record (as `HostRecord.encode` would), unless a record of the
+# host ID exists: then answers 0 and leaves the counter alone, so a refused start never
+# fences out the live incarnation; but the same join again (the client's retry of a
+# reply it lost) answers the epoch it took.
 _JOIN = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local token, epoch = string.match(redis.call('GET', KEYS[4]) or '', '^(%x+) (%d+)$')
+  if token == ARGV[3] then return tonumber(epoch) end
+  return 0
+end
 local epoch = redis.call('INCR', KEYS[2])
 local record = '{"epoch":' .. epoch .. ',"host_id":"' .. ARGV[1] .. '","workers":{}}'
 redis.call('SET', KEYS[1], record, 'PX', ARGV[2])
+redis.call('SET', KEYS[4], ARGV[3] .. ' ' .. epoch, 'PX', ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[1])
 return epoch
 """
@@ -227,12 +235,14 @@ class LiveSet:
         record, in one script; returns the epoch. Refused with `ClusterError` while a
         record of this host ID exists (another live incarnation, or this host's own
         previous one until it leaves or its record expires)."""
-        keys = (self._host_key, self.keys.epoch(self.host_id), self.keys.hosts)
+        keys = (self._host_key, self.keys.epoch(self.host_id), self.keys.hosts,
+                self.keys.joined(self.host_id))
         started = self.clock()
         try:
-            epoch = int(await self._join(keys=keys, args=(self.host_id, self.ttl_ms)))
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
+            with answered():
+                epoch = int(await self._join(
+                    keys=keys, args=(self.host_id, self.ttl_ms, secrets.token_hex(16))
+                ))
         except redis.exceptions.ResponseError as error:
             raise ClusterError(
                 f"the Redis key {keys[1]!r} holds no epoch number ({error}); delete it"
@@ -261,12 +271,10 @@ class LiveSet:
         keys = (self._host_key, self.keys.epoch(self.host_id), self.keys.hosts,
                 self.keys.trusted)
         started = self.clock()
-        try:
+        with answered():
             written = await self._publish(
                 keys=keys, args=(record, self.epoch, self.ttl_ms, self.host_id, leased)
             )
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         if int(written) != 1:
             self.last_good_write_started = None  # over: only `join` starts another
             return False
@@ -290,7 +298,7 @@ class LiveSet:
     async def read(self) -> dict[str, HostRecord]:
         """Every live host's record of the service, by host ID (this host's included).
         A record that is malformed, or names another host than its key, is left out."""
-        try:
+        with answered():
             members = await self.client.smembers(self.keys.hosts)
             ids = sorted(
                 host_id
@@ -306,8 +314,6 @@ class LiveSet:
                 await self._prune(
                     keys=[self.keys.hosts, *(self.keys.host(h) for h in gone)], args=gone
                 )
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         records: dict[str, HostRecord] = {}
         for host_id, value in zip(ids, values, strict=True):
             record = None if value is None else HostRecord.decode(value)
@@ -318,10 +324,8 @@ class LiveSet:
     async def run_id(self) -> str:
         """The Redis server's run ID: a new one means Redis restarted (perhaps empty) or
         failed over, so claims must be re-asserted."""
-        try:
+        with answered():
             info = await self.client.info("server")
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         run_id = text(info.get("run_id"))
         if not run_id:
             raise TetherError("cluster_unavailable", "Redis reported no run ID")
@@ -332,12 +336,10 @@ class LiveSet:
         graceful stop, so the host ID can join again at once); returns whether it did."""
         if self.epoch is None:
             return False
-        try:
+        with answered():
             left = await self._leave(
                 keys=(self._host_key, self.keys.hosts), args=(self.epoch, self.host_id)
             )
-        except UNAVAILABLE as error:
-            raise unavailable(error) from error
         self.last_good_write_started = None
         return int(left) == 1
 

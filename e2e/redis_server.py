@@ -109,7 +109,8 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not start:\n{self._log_tail()}")
 
     def restart(self) -> None:
-        """Start again, empty, on the same port (killing it first if it still runs)."""
+        """Start again on the same port (killing it first if it still runs): empty, or
+        with what a `SAVE` last wrote to its directory."""
         self.kill()
         if not self._launch():
             raise RuntimeError(

@@ -8,6 +8,7 @@ request shows it is being used.
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Callable
@@ -672,7 +673,9 @@ class _Served:
 
     def _read_start(self, scope: Scope, message: Message) -> bool:
         """Read the reply's start and the session the handler left: whether anything is
-        to be claimed now (`_claim_at_start`)."""
+        to be claimed now (`_claim_at_start`). Raises `cluster_unavailable` for a reply
+        of a session once this host's lease lapsed (SPEC 12: it serves no session it
+        cannot prove it holds, and the lease was checked only as the request arrived)."""
         router = self.router
         kind = router.kind
         assert kind is not None
@@ -682,6 +685,9 @@ class _Served:
         if claims is None:
             self.used = bool(getattr(scope.get("session"), "accessed", False))
             return False
+        if self.session_id is not None and claims.lease_until < math.inf and not claims.leased():
+            # The lease lapsed while the handler ran: other hosts may take the session.
+            raise TetherError("cluster_unavailable", LEASE_LAPSED)
         session = scope.get("session")
         self.used = used = bool(getattr(session, "accessed", False))
         sid = self.session_id

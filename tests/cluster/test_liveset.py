@@ -4,6 +4,7 @@ refresher's reports and clean stop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -13,6 +14,7 @@ from structlog.testing import capture_logs
 from e2e.harness import eventually
 from e2e.redis_server import RedisServer
 from tests.cluster.conftest import Connect
+from tether.cluster.client import TIMEOUT_S
 from tether.cluster.keys import ServiceKeys
 from tether.cluster.liveset import ClusterError, HostRecord, LiveSet, LiveView, Refresher
 from tether.routing.errors import TetherError
@@ -62,6 +64,27 @@ async def test_a_second_live_host_with_the_same_id_is_refused(connect: Connect) 
     # The refused start took no epoch: the live host is not fenced out by it.
     assert await first.publish(workers("127.0.0.2:9001"))
     assert (await first.read())["host-a"].epoch == 1
+
+
+async def test_a_join_whose_reply_came_too_late_is_sent_again_and_takes_one_epoch(
+    connect: Connect, redis_server: RedisServer
+) -> None:
+    """Redis stalls past the client's timeout with the join read: the client's one retry
+    sends it again, and Redis runs both. The second answers the epoch the first took,
+    not "already live" (which would stop the host starting, or keep a fenced one out)."""
+    client = connect()
+    await LiveSet(client, SERVICE, "warm-up").join()  # the script is loaded, a link kept
+    live = LiveSet(client, SERVICE, "host-a")
+    redis_server.pause()
+    asyncio.get_running_loop().call_later(TIMEOUT_S + 0.5, redis_server.resume)
+
+    epoch = await live.join()
+
+    assert epoch == 1
+    assert await client.get(ServiceKeys(SERVICE).epoch("host-a")) in (b"1", "1")  # one INCR
+    assert (await live.read())["host-a"].epoch == 1
+    with pytest.raises(ClusterError, match="already live"):  # another start still is refused
+        await LiveSet(connect(), SERVICE, "host-a").join()
 
 
 async def test_a_host_whose_key_expired_rejoins_with_a_higher_epoch(

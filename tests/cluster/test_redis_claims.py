@@ -4,6 +4,7 @@ owner-checked releases, sweeps of dead workers and re-assertion after an empty r
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 import redis.asyncio
@@ -12,7 +13,7 @@ from e2e.redis_server import RedisServer
 from tests.cluster.conftest import Connect
 from tether.cluster.claims import BATCH, RedisClaimStore
 from tether.cluster.keys import ServiceKeys
-from tether.cluster.liveset import HostRecord
+from tether.cluster.liveset import HostRecord, LiveSet
 from tether.routing.claims import ClaimStore
 from tether.routing.errors import TetherError
 from tether.routing.types import SessionId, WorkerId, new_worker_id
@@ -72,8 +73,9 @@ async def test_a_claim_is_one_round_trip_and_a_lookup_one_get(connect: Connect) 
     await store.claimant(SessionId("s"))
     used = await commands(client)
     used.pop("config|resetstat", None)
-    # The claim: one script (get, exists, set, two sadd inside it); the lookup: one get.
-    assert used == {"evalsha": 1, "get": 2, "exists": 1, "set": 1, "sadd": 2}
+    # The claim: one script (the claim's get, the marker's get and the run ID's info,
+    # set, two sadd inside it); the lookup: one get.
+    assert used == {"evalsha": 1, "get": 3, "info": 1, "set": 1, "sadd": 2}
 
 
 async def test_two_workers_claiming_the_same_ids_at_once_have_one_winner_each(
@@ -234,6 +236,37 @@ async def test_a_killed_redis_is_cluster_unavailable_not_a_traceback(
     assert await store.claim(SessionId("t"), worker, fresh=True) == worker  # back, empty
 
 
+async def test_a_redis_that_stopped_taking_writes_is_cluster_unavailable_not_a_traceback(
+    connect: Connect, redis_server: RedisServer
+) -> None:
+    """A snapshot that failed (its disk gone or full) makes Redis refuse writes with a
+    MISCONF error reply, which redis-py raises as a plain `ResponseError`: a claim is
+    503 `cluster_unavailable`, as when Redis does not answer, and so is a host's join;
+    reads still answer."""
+    client = connect()
+    worker = new_worker_id()
+    store = await trusting(RedisClaimStore(client, SERVICE))
+    await store.claim(SessionId("s"), worker)
+    await client.config_set("save", "3600 1")
+    try:
+        shutil.rmtree(redis_server.directory)
+        await client.bgsave()
+        for _ in range(100):
+            if (await client.info("persistence"))["rdb_last_bgsave_status"] == "err":
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(TetherError) as claimed:
+            await store.claim(SessionId("t"), worker)
+        with pytest.raises(TetherError) as joined:
+            await LiveSet(client, SERVICE, "h1").join()
+        assert await store.claimant(SessionId("s")) == worker
+    finally:
+        await client.config_set("save", "")  # (else it cannot stop: its exit saves)
+    for caught in (claimed, joined):
+        assert caught.value.code == "cluster_unavailable"
+        assert "ResponseError" in str(caught.value.detail)
+
+
 async def test_until_the_claims_are_trusted_an_unclaimed_id_is_refused_unless_just_minted(
     connect: Connect, redis_server: RedisServer
 ) -> None:
@@ -257,6 +290,34 @@ async def test_until_the_claims_are_trusted_an_unclaimed_id_is_refused_unless_ju
     assert await store.claimant(SessionId("held")) == a
     assert await store.claimant(SessionId("new")) is None
     assert await store.claim(SessionId("new"), b) == b
+
+
+async def test_a_trust_marker_a_snapshot_brought_back_from_another_run_trusts_nothing(
+    connect: Connect, redis_server: RedisServer
+) -> None:
+    """A Redis restarted from a snapshot (or a replica promoted) holds the `trusted`
+    marker of the run the snapshot was taken in and has lost the claims written since:
+    under its new run ID a miss is no answer and a claim of a named ID writes nothing,
+    until the hosts re-assert and trust it again."""
+    client = connect()
+    a, b = new_worker_id(), new_worker_id()
+    store = await trusting(RedisClaimStore(client, SERVICE))
+    await store.claim(SessionId("kept"), a)
+    await client.save()
+    await store.claim(SessionId("lost"), a)
+    redis_server.restart()  # from the snapshot: the marker is back, "lost" is not
+
+    assert await client.exists(store.keys.trusted) == 1
+    assert await store.claimant(SessionId("kept")) == a
+    with pytest.raises(TetherError) as looked_up:
+        await store.claimant(SessionId("lost"))
+    with pytest.raises(TetherError) as claimed:
+        await store.claim(SessionId("lost"), b)
+    assert looked_up.value.code == claimed.value.code == "cluster_unavailable"
+    assert await client.exists(store.keys.claim(SessionId("lost"))) == 0  # nothing written
+    assert await store.reassert(a, [SessionId("kept"), SessionId("lost")]) == {}
+    await trusting(store)
+    assert await store.claimant(SessionId("lost")) == a
 
 
 async def test_the_claims_are_trusted_once_every_host_asserted_and_a_ttl_passed(

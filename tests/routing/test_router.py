@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -11,6 +12,7 @@ import httpx
 from e2e.harness import eventually
 from tests.routing.apps import header_app, session_app
 from tests.routing.conftest import Cluster
+from tests.routing.test_hop import seeded
 from tether.routing.kinds import SessionKind
 from tether.routing.types import SessionId
 
@@ -136,6 +138,33 @@ async def test_post_handler_claim_that_loses_a_race_answers_409_and_keeps_no_sta
     assert lost.json()["code"] == "session_conflict"
     assert "set-cookie" not in lost.headers
     assert b.app.state.values == {}  # released on the losing worker
+
+
+async def test_a_reply_begun_after_the_hosts_lease_lapsed_is_503_not_sent(
+    cluster: Cluster,
+) -> None:
+    """On a cluster a host whose lease lapses may no longer prove it holds its sessions
+    (another host may take them over). The lease is checked as a request arrives; a
+    handler that outlasts it (a slow call, the host paused mid-handler) has its reply
+    refused at its start: 503 `cluster_unavailable`, as the requests after it are."""
+    a = await cluster.add(session_app())
+    claims = a.routing.claims
+    assert claims is not None
+    cookies = await seeded(a, "leased")
+    claims.lease_until = time.monotonic() + 60  # as the host's coordinator sets it
+    async with a.client(cookies=cookies) as client:
+        pending = asyncio.create_task(client.get("/touch", params={"gate": "g"}))
+        await asyncio.wait_for(a.app.state.entered.setdefault("g", asyncio.Event()).wait(), 5)
+        claims.lease_until = time.monotonic() - 1  # Redis stopped answering meanwhile
+        a.app.state.gates.setdefault("g", asyncio.Event()).set()
+        refused = await pending
+        after = await client.get("/touch")
+
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["code"] == "cluster_unavailable"
+    assert "lease" in refused.json()["detail"]
+    assert a.app.state.values == {"leased": 1}  # the handler ran; its reply went unsent
+    assert (after.status_code, after.json()["code"]) == (503, "cluster_unavailable")
 
 
 async def test_seed_naming_another_session_than_its_cookie_is_409(cluster: Cluster) -> None:
