@@ -150,8 +150,8 @@ async def _parse(receive: Receive, model: type[_Body] | None) -> dict[str, Any]:
     try:
         data = json.loads(raw or b"{}")
         parsed = model.model_validate(data)
-    except (ValueError, ValidationError) as error:
-        detail: Any = str(error)
+    except (ValueError, RecursionError, ValidationError) as error:
+        detail: Any = str(error) or type(error).__name__
         if isinstance(error, ValidationError):
             detail = error.errors(include_url=False, include_context=False)
         raise TetherError("invalid_request", detail) from None

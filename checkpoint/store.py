@@ -212,7 +212,10 @@ def _read_json(path: Path) -> Any:
         data = file.read(_MAX_JSON_BYTES + 1)
     if len(data) > _MAX_JSON_BYTES:
         raise ValueError(f"over {_MAX_JSON_BYTES} bytes")
-    return json.loads(data)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _fail(code: ErrorCode, detail: str) -> NoReturn:
@@ -728,7 +731,7 @@ def load_checkpoint(
     path = directory / participant / MANIFEST_NAME
     try:
         manifest = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         _fail("corrupt_checkpoint", f"{path}: is not JSON: {exc}")
     problem = _manifest_problem(manifest, checkpoint_id, participant)
     if problem is not None:

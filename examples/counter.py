@@ -67,7 +67,7 @@ def _worker(request: Request) -> str:
 async def _body_session_id(request: Request) -> str:
     try:
         body: Any = await request.json()
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # (nested past the stack: not JSON here)
         raise seed_rejected("the body is not JSON") from error
     session_id = session_id_or_none(body.get("session_id") if isinstance(body, dict) else None)
     if session_id is None:

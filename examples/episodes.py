@@ -41,7 +41,7 @@ def create_app() -> Starlette:
     async def run(request: Request) -> JSONResponse:
         try:
             body = Run.model_validate(await request.json())
-        except (ValueError, ValidationError) as error:
+        except (ValueError, RecursionError, ValidationError) as error:
             raise TetherError("invalid_request", str(error)) from None
         worker = worker_of(request.scope) or f"pid-{os.getpid()}"
         async with participant.episode(

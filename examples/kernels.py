@@ -121,7 +121,10 @@ def create_app() -> Starlette:
                              "worker": _worker(request.scope)})
 
     async def execute(request: Request) -> JSONResponse:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError):
+            body = None
         code = body.get("code") if isinstance(body, dict) else None
         if not isinstance(code, str):
             raise TetherError("invalid_request", "the body must be {\"code\": \"...\"}")

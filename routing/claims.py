@@ -223,6 +223,9 @@ class WorkerClaims:
         self.clock = clock
         self._mine: set[SessionId] = set()
         self._serving: dict[SessionId, int] = {}
+        self._ended: set[SessionId] = set()
+        """Sessions the app ended while requests of them ran: those requests' ends open
+        none of them again (a start route's end would)."""
         self.lease_until = math.inf
         """Until when this worker may use its claims (a cluster's host sets it)."""
 
@@ -306,11 +309,19 @@ class WorkerClaims:
             self._serving[session_id] = count
         else:
             del self._serving[session_id]
+        if self._ended and session_id in self._ended:
+            if not count:
+                self._ended.discard(session_id)
+            if role == "start":
+                role = "other"
         if session_id in self._mine:
             self.lifetimes.served(session_id, role, ok, self.clock())
 
     def ended(self, session_id: SessionId) -> None:
-        """The app ended the session under a route the kind does not name."""
+        """The app ended the session under a route the kind does not name (maybe in the
+        handler of a start route, or while one runs: its end does not open it again)."""
+        if session_id in self._serving:
+            self._ended.add(session_id)
         if session_id in self._mine:
             self.lifetimes.ended(session_id, self.clock())
 
@@ -345,8 +356,9 @@ class WorkerClaims:
 
     async def sweep(self) -> list[SessionId]:
         """Release every claim whose lifetime has ended and that no request is using. A
-        release the store refuses (a cluster's Redis out of reach) is tried again one
-        window later; the claim stays this worker's meanwhile."""
+        release that fails (a cluster's Redis out of reach, a claim file that cannot be
+        read or removed now) is tried again one window later, with those after it; the
+        claims stay this worker's meanwhile."""
         released: list[SessionId] = []
         due = self.lifetimes.due(self.clock(), self._mine)
         for index, session_id in enumerate(due):
@@ -354,7 +366,7 @@ class WorkerClaims:
                 continue  # its request's end records it again
             try:
                 await self.store.release(session_id, self.worker)
-            except TetherError:
+            except (TetherError, OSError):
                 for later in due[index:]:
                     if later in self._mine and later not in self._serving:
                         self.lifetimes.ended(later, self.clock())

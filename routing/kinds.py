@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Any, Protocol
 
 import itsdangerous
-from itsdangerous.exc import BadSignature
+from itsdangerous.exc import BadData, BadSignature
 from starlette.middleware.sessions import SessionMiddleware
 
 from tether.routing.hop import HOP_HEADER
@@ -98,7 +98,7 @@ class CookieCodec:
                 value.encode("utf-8"), max_age=self.max_age, return_timestamp=True
             )
             session = json.loads(b64decode(data))
-        except (BadSignature, ValueError, UnicodeError):
+        except (BadSignature, ValueError, UnicodeError, RecursionError):
             return None, now + VERIFIED_S
         if not isinstance(session, dict):
             return None, now + VERIFIED_S
@@ -333,7 +333,7 @@ class SessionKind:
             return None
         try:
             payload = serializer.loads(token)
-        except BadSignature:
+        except BadData:  # a bad signature, or a signed payload that does not decode
             return None
         return session_id_or_none(payload.get("sid")) if isinstance(payload, dict) else None
 

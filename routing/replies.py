@@ -58,7 +58,7 @@ class ReplyField:
         body = b"".join(m.get("body", b"") for m in self._held[1:])
         try:
             document = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             log.info("reply_field_unread", field=self._field, reason="not JSON")
             return None
         value = document.get(self._field) if isinstance(document, dict) else None

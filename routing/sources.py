@@ -171,7 +171,7 @@ def body_session_id(kind: SessionKind, body: bytes) -> SessionId | None:
     """The session ID in a seed or close body; a body that is not a JSON object names none."""
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # (nested past the stack)
         return None
     return session_id_or_none(data.get(kind.body_field)) if isinstance(data, dict) else None
 

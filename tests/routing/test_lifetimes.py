@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from tether.routing.claims import FileClaimStore, WorkerClaims
 from tether.routing.lifetimes import Lifetimes
 from tether.routing.types import SessionId, WorkerId
@@ -94,6 +98,50 @@ async def test_ended_closes_an_open_session(short_tmp: object) -> None:
     claims.ended(S)
     clock.now += 11
     assert await claims.sweep() == [S]
+
+
+async def test_a_session_the_app_ends_while_its_start_route_runs_is_not_opened_by_it(
+    short_tmp: object,
+) -> None:
+    """`ended` called from a seed's handler (a one-shot session), or while a seed runs:
+    the seed's end does not open the session again, which would keep its claim until an
+    end route; a later seed opens it as usual."""
+    claims, clock = make(short_tmp)
+    await claims.claim(S)
+    claims.begin(S)
+    claims.ended(S)
+    claims.end(S, "start", True)
+    clock.now += 11
+    assert await claims.sweep() == [S]
+
+    await serve(claims, "start")
+    clock.now += 100
+    assert await claims.sweep() == []
+
+
+async def test_a_release_that_fails_in_a_sweep_is_tried_again_with_those_after_it(
+    short_tmp: object,
+) -> None:
+    """A claim file that cannot be read or removed now (here: something else at its
+    path; a full file table would do the same) fails the sweep, and that claim and every
+    one after it are tried again a window later, not forgotten with their claims kept."""
+    claims, clock = make(short_tmp)
+    first, *later = (SessionId(f"s{n}") for n in range(3))
+    await serve(claims, "other", sid=first)
+    clock.now += 1  # its deadline comes first
+    for sid in later:
+        await serve(claims, "other", sid=sid)
+    path = claims.store._path(first)  # type: ignore[attr-defined]
+    os.unlink(path)
+    os.mkdir(path)
+    clock.now += 11
+    with pytest.raises(IsADirectoryError):
+        await claims.sweep()
+    os.rmdir(path)
+    assert all(claims.mine(sid) for sid in (first, *later))
+
+    clock.now += 11
+    assert sorted(await claims.sweep()) == [first, *later]
 
 
 async def test_rotated_session_keeps_its_lifetime_and_its_old_id_ends_as_closed(

@@ -34,6 +34,9 @@ async def test_a_kernel_minted_in_a_reply_is_claimed_and_reached_by_its_path(
             assert reply.status_code == 200, reply.text
             assert reply.json() == {"execution_count": expected, "result": 2 * expected,
                                     "worker": a.id}
+        for bad in (b"not json", b"[" * 100_000):  # a clear error, not a 500
+            refused = await on_b.post(f"/api/kernels/{kernel}/execute", content=bad)
+            assert (refused.status_code, refused.json()["code"]) == (422, "invalid_request")
         assert (await on_b.delete(f"/api/kernels/{kernel}")).status_code == 204
         assert a.routing.claims is not None
         assert not a.routing.claims.lifetimes.is_open(SessionId(kernel)), "DELETE ends it"

@@ -15,7 +15,7 @@ import itsdangerous
 
 from tests.routing.apps import SECRET, session_app
 from tests.routing.conftest import Cluster
-from tether.routing.kinds import mint_session_token
+from tether.routing.kinds import TOKEN_SALT, mint_session_token
 from tether.routing.sources import MAX_BODY
 from tether.routing.types import SessionId
 
@@ -50,6 +50,13 @@ async def test_signed_token_routes_to_the_worker_that_holds_the_session(cluster:
     assert touched.json() == {"session_id": "tok-1", "n": 1, "worker": a.id}
 
 
+def signed_garbage() -> str:
+    """A token with a valid signature whose payload does not decode (only a holder of
+    the secret can make one: a bug, not a forgery)."""
+    serializer = itsdangerous.URLSafeSerializer(SECRET, salt=TOKEN_SALT)
+    return str(serializer.make_signer(TOKEN_SALT).sign(b"%%not-base64").decode())
+
+
 async def test_forged_or_expired_cookies_and_tokens_name_no_session(cluster: Cluster) -> None:
     a = await cluster.add(session_app())
     b = await cluster.add(session_app())
@@ -65,6 +72,7 @@ async def test_forged_or_expired_cookies_and_tokens_name_no_session(cluster: Clu
             {"x-tether-session-token": bad_token},
             {"cookie": "session=" + "x" * 10_000},
             {"x-tether-session-token": "y" * 10_000},
+            {"x-tether-session-token": signed_garbage()},
         ):
             reply = await cb.get("/touch", headers=headers)
             assert reply.status_code == 200
@@ -79,7 +87,8 @@ async def test_seed_bodies_that_name_no_valid_id_leave_no_claim(cluster: Cluster
     a = await cluster.add(create_app())
     await cluster.add(create_app())
     async with a.client() as client:
-        for body in (b"not json", b"[1, 2]", b'{"session_id": 5}',
+        for body in (b"not json", b"[1, 2]", b'{"session_id": 5}', b"[" * 100_000,
+                     b'{"a": ' * 100_000,  # (nested past Python's stack: still no ID)
                      json.dumps({"session_id": "z" * 300}).encode(), b'{"session_id": ""}'):
             reply = await client.post("/seed_session", content=body)
             assert reply.status_code == 422, body
