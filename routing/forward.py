@@ -326,6 +326,36 @@ async def _watch_disconnect(receive: Receive, conn: _Connection) -> None:
         conn.transport.abort()
 
 
+async def _send_rest(receive: Receive, conn: _Connection, chunked: bool) -> None:
+    """The rest of a request body whose reply began before it ended (the claimant may
+    read on while it replies, as a streaming echo does), sent on as it comes, until the
+    reply ends; then, or once the body is whole, the client is watched for a disconnect
+    as `_watch_disconnect` does. A connection whose body was not sent whole is never
+    reused."""
+    more = True
+    while more:
+        if conn.write_paused:
+            await conn.drain()
+        if conn.closed or conn.complete:
+            return  # the reply ended: the rest is not wanted
+        message = await receive()
+        if message["type"] != "http.request":
+            if not conn.finished:
+                conn.client_gone = True
+                conn.transport.abort()
+            return
+        if conn.closed or conn.complete:
+            return
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
+        if chunk:
+            _write_chunk(conn.transport, chunk, chunked)
+    if chunked:
+        conn.transport.write(b"0\r\n\r\n")
+    conn.body_sent = True
+    await _watch_disconnect(receive, conn)
+
+
 def _write_chunk(transport: asyncio.Transport, chunk: bytes, chunked: bool) -> None:
     if not chunked:
         transport.write(chunk)
@@ -487,8 +517,13 @@ class Forwarder:
                     while more:
                         if conn.write_paused:
                             await conn.drain()
-                        if conn.closed or conn.got_bytes:
-                            break  # the claimant answered (or failed) before the body ended
+                        if conn.closed:
+                            break  # the claimant failed before the body ended
+                        if conn.got_bytes:
+                            # It answers before the body ended, and may go on reading it:
+                            # the rest goes on beside the reply.
+                            conn.watcher = loop.create_task(_send_rest(receive, conn, chunked))
+                            break
                         message = await receive()
                         if message["type"] != "http.request":
                             return  # the client left; closing the connection tells the claimant
@@ -510,7 +545,8 @@ class Forwarder:
                 # The reply. Most replies end within a millisecond, so the client is only
                 # watched for a disconnect once one has not: a task per request would add
                 # about 5 us of CPU and an event-loop pass to every forwarded request.
-                timer = loop.call_later(_WATCH_AFTER_S, conn.watch, receive)
+                if conn.watcher is None:
+                    timer = loop.call_later(_WATCH_AFTER_S, conn.watch, receive)
                 while True:
                     if conn.client_gone:
                         return
@@ -571,7 +607,7 @@ class Forwarder:
                 busy.discard(conn)
                 if timer is not None:
                     timer.cancel()
-                    conn.unwatch()
+                conn.unwatch()
                 if reusable:
                     self._release(address, conn)
                 elif not conn.closed:

@@ -49,7 +49,9 @@ class JoinedWrites(asyncio.Transport):
     def _write_held(self) -> None:
         self._flush = None
         held, self._held = self._held, None
-        if held is not None:
+        # The connection may have closed under it meanwhile (the peer left): uvloop's
+        # transport then raises on a write, asyncio's warns.
+        if held is not None and not self._transport.is_closing():
             self._transport.write(held)
 
     def close(self) -> None:

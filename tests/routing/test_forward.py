@@ -52,6 +52,7 @@ class Claimant:
                 Route("/slow", self.slow),
                 Route("/hang", self.hang),
                 Route("/early", self.early, methods=["POST"]),
+                Route("/digest", _Digest(), methods=["POST"]),
             ]
         )
 
@@ -124,6 +125,26 @@ class Claimant:
                 self.cancelled.set()
 
         return StreamingResponse(chunks())
+
+
+class _Digest:
+    """Starts its reply at once, then reads the whole body and ends the reply with its
+    length and SHA-256: a streaming processor, which reads on while it replies."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"reading;", "more_body": True})
+        digest, size, more = hashlib.sha256(), 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            digest.update(chunk)
+            size += len(chunk)
+            more = message.get("more_body", False)
+        summary = b"%d %s" % (size, digest.hexdigest().encode())
+        await send({"type": "http.response.body", "body": summary})
 
 
 class Front:
@@ -371,6 +392,30 @@ async def test_a_claimant_that_answers_before_reading_the_body_is_passed_on(
 
     assert reply.status_code == 413
     assert reply.text == "too large"
+    assert again.status_code == 200
+    assert front.outcomes == ["returned", "returned"]
+
+
+@pytest.mark.parametrize("upload", ["content-length", "chunked"])
+async def test_a_claimant_that_replies_while_it_reads_the_body_gets_all_of_it(
+    front: Front, client: httpx.AsyncClient, upload: str
+) -> None:
+    """HTTP/1.1 lets a server begin its reply before the request's body ended and read
+    on: the rest of the body goes on beside the reply (it once stopped at the reply's
+    first byte, and both sides waited for ever)."""
+    body = os.urandom(2 * 1024 * 1024)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(body), 64 * 1024):
+            yield body[start : start + 64 * 1024]
+            await asyncio.sleep(0)
+
+    content: Any = body if upload == "content-length" else chunks()
+    reply = await asyncio.wait_for(client.post("/digest", content=content), BOUND)
+    again = await client.get("/echo/x")
+
+    assert reply.status_code == 200
+    assert reply.text == f"reading;{len(body)} {hashlib.sha256(body).hexdigest()}"
     assert again.status_code == 200
     assert front.outcomes == ["returned", "returned"]
 

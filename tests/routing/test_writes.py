@@ -105,3 +105,15 @@ async def test_abort_drops_what_is_held(pair: _Pair) -> None:
     assert pair.sends == 0
     loop = asyncio.get_running_loop()
     assert await asyncio.wait_for(loop.sock_recv(pair.peer, 10), 5) == b""
+
+
+async def test_what_is_held_when_the_connection_closes_under_it_is_dropped(
+    pair: _Pair,
+) -> None:
+    """The peer leaves (the loop closes the transport) between a write and the end of
+    its turn: what was held is dropped, not written to a closed transport (uvloop's
+    raises, and each client leaving mid-stream logged a traceback)."""
+    pair.joined.write(b"too late")
+    pair.real.close()
+    await asyncio.sleep(0.01)
+    assert pair.sends == 0
