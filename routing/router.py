@@ -566,7 +566,7 @@ class Router:
                 await self.app(scope, receive, session.send)
             finally:
                 claims.end(session_id, role, session.ok)
-                if minted and not session.ok:
+                if minted and not session.ok and not session.named_by_app:
                     await claims.drop(session_id)  # no cookie named it, so nobody can
                 if session.reply_id is not None:
                     claims.end(session.reply_id, "start", session.ok)
@@ -635,6 +635,9 @@ class _Served:
     """The new ID the handler set in the session, seen at the reply's start."""
     rotated_id: SessionId | None = None
     """`rotated`, once claimed here."""
+    named_by_app = False
+    """A failed reply of a minted ID sets the app's own session cookie (its handler wrote
+    the session): the client names the ID after all, so its claim stays."""
     refused = False
 
     def __init__(
@@ -680,7 +683,9 @@ class _Served:
         kind = router.kind
         assert kind is not None
         status: int = message["status"]
-        self.ok = 200 <= status < 400
+        self.ok = ok = 200 <= status < 400
+        if self.minted and not ok and kind.cookie is not None:
+            self.named_by_app = _sets_cookie(kind, message)
         claims = router.claims
         if claims is None:
             self.used = bool(getattr(scope.get("session"), "accessed", False))
@@ -775,11 +780,17 @@ def _rotated(
     new = session_id_or_none(session.get(kind.cookie_key))
     if new is None or new == sid:
         return None
+    return new if _sets_cookie(kind, message) else None
+
+
+def _sets_cookie(kind: SessionKind, message: Message) -> bool:
+    """Whether a reply's start sets the app's own session cookie."""
+    assert kind.cookie is not None
     prefix = kind.cookie.name.encode() + b"="
-    for name, value in message.get("headers", ()):
-        if name.lower() == b"set-cookie" and value.startswith(prefix):
-            return new
-    return None
+    return any(
+        name.lower() == b"set-cookie" and value.startswith(prefix)
+        for name, value in message.get("headers", ())
+    )
 
 
 def _conflict(session_id: SessionId, owner: WorkerId) -> TetherError:

@@ -6,14 +6,19 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from e2e.harness import eventually
 from tests.routing.apps import header_app, session_app
 from tests.routing.conftest import Cluster
 from tests.routing.test_hop import seeded
 from tether.routing.kinds import SessionKind
+from tether.routing.router import worker_of
 from tether.routing.types import SessionId
 
 
@@ -165,6 +170,37 @@ async def test_a_reply_begun_after_the_hosts_lease_lapsed_is_503_not_sent(
     assert "lease" in refused.json()["detail"]
     assert a.app.state.values == {"leased": 1}  # the handler ran; its reply went unsent
     assert (after.status_code, after.json()["code"]) == (503, "cluster_unavailable")
+
+
+def failing_writer_app() -> Any:
+    """`session_app` with a route whose handler writes the session, then fails."""
+    app = session_app()
+
+    async def fail_writing(request: Request) -> JSONResponse:
+        request.session["note"] = "tried"
+        return JSONResponse({"worker": worker_of(request.scope)}, status_code=422)
+
+    app.router.routes.append(Route("/fail_writing", fail_writing, methods=["POST"]))
+    return app
+
+
+async def test_a_failed_reply_setting_the_apps_own_cookie_keeps_its_minted_claim(
+    cluster: Cluster,
+) -> None:
+    """A request with no session whose handler writes the session and fails: Starlette's
+    `SessionMiddleware` sets the cookie naming the ID the router minted all the same, so
+    the claim stays; the next request, landing on another worker, reaches this one (it
+    was claimed there beside what this handler made)."""
+    a = await cluster.add(failing_writer_app())
+    b = await cluster.add(failing_writer_app())
+    async with a.client() as on_a:
+        failed = await on_a.post("/fail_writing")
+    assert failed.status_code == 422 and "set-cookie" in failed.headers
+    async with b.client(cookies=failed.cookies) as on_b:
+        again = await on_b.get("/touch")
+
+    assert again.status_code == 200, again.text
+    assert again.json()["worker"] == a.id
 
 
 async def test_seed_naming_another_session_than_its_cookie_is_409(cluster: Cluster) -> None:
