@@ -10,6 +10,7 @@ import secrets
 import signal
 import socket
 import ssl
+import stat
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -65,18 +66,46 @@ def bind_listener(options: ServeOptions) -> socket.socket:
         where = f"{options.host}:{options.port}"
     try:
         if options.uds is not None:
+            if _stale_socket(options.uds):
+                os.unlink(options.uds)  # (as uvicorn does: a killed server's leftover)
             sock.bind(options.uds)
             os.chmod(options.uds, 0o666)
         else:
             sock.bind((options.host, options.port))
         sock.listen(options.backlog)
-    except OSError as error:
+    except (OSError, OverflowError) as error:  # (OverflowError: a port past 65535)
         sock.close()
-        fix = ("another process listens there; stop it or pick another --port"
-               if error.errno == errno.EADDRINUSE else "pick another address")
-        raise StartupError(f"cannot listen on {where} ({error.strerror}); {fix}") from None
+        in_use = isinstance(error, OSError) and error.errno == errno.EADDRINUSE
+        if options.uds is not None:
+            fix = ("another server listens there, or a file that is no socket is in the "
+                   "way: stop it or remove the file, or pick another --uds"
+                   if in_use else "pick another --uds path")
+        else:
+            fix = ("another process listens there; stop it or pick another --port"
+                   if in_use else "pick another address")
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise StartupError(f"cannot listen on {where} ({reason}); {fix}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _stale_socket(path: str) -> bool:
+    """Whether `path` is a Unix socket nobody listens on any more."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 def _check_tls(options: ServeOptions) -> None:
@@ -108,7 +137,13 @@ def serve(options: ServeOptions) -> int:
         say(f"tether serve: {problem}", "startup_failed", error=True)
         return 2
     if options.env_file is not None:
-        dotenv.load_dotenv(options.env_file)
+        try:
+            dotenv.load_dotenv(options.env_file)
+        except (OSError, ValueError) as error:  # (UnicodeDecodeError is a ValueError)
+            say(f"tether serve: --env-file {options.env_file} cannot be read ({error}); "
+                "make it a readable UTF-8 file of NAME=value lines", "startup_failed",
+                error=True)
+            return 2
     tracing.start()  # after --env-file, which may set OTEL_* too (workers inherit them)
     options = replace(options, app_dir=os.path.abspath(options.app_dir))
     runtime_dir = None
@@ -143,6 +178,10 @@ def serve(options: ServeOptions) -> int:
         if runtime_dir is not None:
             remove_runtime_dir(runtime_dir)
         return 2
+    except BaseException:  # (a bug: its traceback, but no runtime dir or token left)
+        if runtime_dir is not None:
+            remove_runtime_dir(runtime_dir)
+        raise
     try:
         with listener, metrics_sock or contextlib.nullcontext():
             return asyncio.run(_serve(

@@ -135,6 +135,8 @@ class ServeOptions:
                 return f"--restore: {error.detail}"
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             return "--metrics-port must be a port number (0 picks a free one)"
+        if self.uds is None and not 0 <= self.port <= 65535:
+            return f"--port {self.port} is not a port number: pick one from 0 to 65535"
         if self.log_level is not None and self.log_level not in LOG_LEVELS:
             return f"--log-level must be one of {', '.join(LOG_LEVELS)}"
         if not os.path.isdir(self.app_dir):

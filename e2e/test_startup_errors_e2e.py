@@ -176,6 +176,21 @@ def test_a_metrics_port_in_use_says_pick_another() -> None:
     one_line(result, f"127.0.0.1:{port}", "--metrics-port")
 
 
+def test_a_port_past_65535_is_one_line_and_leaves_no_runtime_directory(
+    tmp_path: Path,
+) -> None:
+    result = run_tether("serve", "e2e.apps.echo:app", "--port", "70000",
+                        "--log-format", "json", env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    one_line(result, "--port 70000", "65535")
+    assert list(tmp_path.iterdir()) == []  # no runtime directory, no control token
+
+
+def test_an_env_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    env_file = tmp_path / "bad.env"
+    env_file.write_bytes(b"A=\xff\n")
+    one_line(serve("e2e.apps.echo:app", "--env-file", str(env_file)), "--env-file", "UTF-8")
+
+
 def test_zero_workers_is_refused() -> None:
     one_line(serve("e2e.apps.echo:app", "--workers", "0"), "--workers")
 

@@ -200,6 +200,15 @@ async def test_log_level_warning_writes_no_info_lines(serve: Serve) -> None:
     assert levels <= {"warning", "error", "critical"}, levels
 
 
+async def test_log_level_trace_serves_and_writes_uvicorns_trace_lines(serve: Serve) -> None:
+    """uvicorn's lowest level, under debug (structlog has none: tether's own lines are
+    filtered at debug's): the server starts (it once failed to) and uvicorn's trace lines
+    are written."""
+    server = serve(APP, 2, "--log-level", "trace")
+    await seeded_echoes(server)
+    assert "trace" in {r.get("level") for r in server.logs()}
+
+
 async def test_flags_can_come_from_tether_variables(serve: Serve) -> None:
     server = serve(APP, 2, env={"TETHER_ROOT_PATH": "/from-env", "TETHER_ACCESS_LOG": "0"})
     for seen in await seeded_echoes(server):

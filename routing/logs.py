@@ -176,7 +176,8 @@ def configure_logging(
     ]
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        # (structlog knows no level under debug: at trace, tether's own lines are debug's)
+        wrapper_class=structlog.make_filtering_bound_logger(max(threshold, logging.DEBUG)),
         # One write per record: workers share stderr, and a record split over two
         # writes (text, then newline) interleaves with another worker's.
         logger_factory=structlog.WriteLoggerFactory(sys.stderr),

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
+from pathlib import Path
 
 import pytest
 from starlette.applications import Starlette
 
 import tether
+from tether.coordinator.launcher import bind_listener
 from tether.coordinator.options import (
     FLAGS,
     OptionError,
@@ -17,6 +20,7 @@ from tether.coordinator.options import (
     add_serve_flags,
     options_from,
 )
+from tether.coordinator.runtime import StartupError
 
 
 def parsed(*argv: str) -> dict[str, object]:
@@ -200,3 +204,25 @@ def test_the_cluster_ttl_is_a_flag_and_a_variable(value: str, problem: str | Non
     assert by_flag.problem() == by_env.problem() == problem
     alone = options_from("main:app", parsed("--cluster-ttl", value), env={})
     assert alone.problem() == "--cluster-ttl needs --cluster redis://HOST:PORT/DB (several hosts)"
+
+
+def test_a_uds_socket_a_killed_server_left_is_taken_over_and_a_live_one_is_not(
+    short_tmp: Path,
+) -> None:
+    """A server SIGKILLed on `--uds` leaves its socket file: the next one on that path
+    takes it over, as uvicorn does, since nothing listens there; a path where a server
+    does listen, or a file that is no socket, is one line saying so."""
+    stale = str(short_tmp / "stale.sock")
+    with socket.socket(socket.AF_UNIX) as left:
+        left.bind(stale)  # bound, closed, never listening: what a killed server leaves
+    with bind_listener(ServeOptions("main:app", uds=stale)) as taken:
+        assert taken.getsockname() == stale
+    live = str(short_tmp / "live.sock")
+    plain = short_tmp / "plain"
+    plain.write_text("not a socket")
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(live)
+        listening.listen()
+        for path in (live, str(plain)):
+            with pytest.raises(StartupError, match="another server listens there"):
+                bind_listener(ServeOptions("main:app", uds=path))
