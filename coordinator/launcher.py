@@ -390,6 +390,8 @@ async def _serve(
         on_failure=exited_early,
         stop_timeout_s=options.timeout_graceful_shutdown + STOP_MARGIN_S,
         on_exit=None if app_metrics is None else partial(mark_worker_dead, app_metrics),
+        registered=lambda pid: any(link.pid == pid for link in coordinator.links.values()),
+        start_timeout_s=START_TIMEOUT_S,
     )
     coordinator.kill_workers = supervisor.kill_all
     metrics = Metrics(
