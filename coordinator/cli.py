@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tether._version import __version__
 from tether.coordinator.ctl import add_ctl_parser, run_ctl
@@ -12,8 +13,16 @@ from tether.coordinator.options import OptionError, add_serve_flags, options_fro
 from tether.routing.logs import say
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, saying a usage mistake in one line and where to read more, not after
+    the whole usage text (its sub-commands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tether", description=__doc__)
+    parser = _OneLineParser(prog="tether", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tether {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(

@@ -111,7 +111,7 @@ def _attempt(text: str) -> int:
     return value
 
 
-def add_ctl_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_ctl_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
     """Add `ctl` and its commands to `tether`'s subparsers (dispatch with `run_ctl`)."""
     ctl = subparsers.add_parser(
         "ctl", help="drive tether servers through checkpoints",

@@ -263,7 +263,7 @@ def parse_message(obj: Any) -> Message:
                 raise FrameError("error extra is not a map with str keys")
             return ErrorReply(reply_to, status, code, error["detail"], extra)
         raise FrameError(f"reply's ok is {ok!r}, not a bool")
-    traced = "trace" in obj and obj["id"] is not None
+    traced = "trace" in obj and obj.get("id") is not None  # (no `id`: `_check_keys` says so)
     _check_keys("request", obj, _TRACED_REQUEST_KEYS if traced else _REQUEST_KEYS)
     kind = obj["kind"]
     if not isinstance(kind, str) or not kind:

@@ -191,6 +191,11 @@ def test_an_env_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     one_line(serve("e2e.apps.echo:app", "--env-file", str(env_file)), "--env-file", "UTF-8")
 
 
+def test_a_flag_value_of_the_wrong_type_is_one_line() -> None:
+    one_line(run_tether("serve", "e2e.apps.echo:app", "--port", "abc"), "--port", "'abc'",
+             "--help")
+
+
 def test_zero_workers_is_refused() -> None:
     one_line(serve("e2e.apps.echo:app", "--workers", "0"), "--workers")
 

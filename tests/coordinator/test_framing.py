@@ -251,6 +251,7 @@ def test_the_wire_shapes_are_the_specs() -> None:
             },
             id="error-unknown-key",
         ),
+        pytest.param({"kind": "x", "body": None, "trace": {}}, id="traced-without-id"),
     ],
 )
 def test_a_malformed_message_raises_frame_error(obj: Any) -> None:
