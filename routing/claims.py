@@ -233,7 +233,8 @@ class WorkerClaims:
         """Whether this worker may serve sessions now (always, on one host)."""
         return self.clock() < self.lease_until
 
-    def _check_lease(self) -> None:
+    def check_lease(self) -> None:
+        """Raise `cluster_unavailable` once this worker's lease lapsed."""
         if not self.leased():
             raise TetherError("cluster_unavailable", LEASE_LAPSED)
 
@@ -245,7 +246,7 @@ class WorkerClaims:
 
     async def lookup(self, session_id: SessionId) -> WorkerId | None:
         """The claimant: this worker from memory, else the store."""
-        self._check_lease()
+        self.check_lease()
         if session_id in self._mine:
             return self.worker
         return await self.store.claimant(session_id)
@@ -261,7 +262,7 @@ class WorkerClaims:
     async def claim(self, session_id: SessionId, *, fresh: bool = False) -> WorkerId:
         """Claim the ID for this worker unless another has; return the claimant.
         `fresh`: the ID was just minted here (by tether or by the app)."""
-        self._check_lease()
+        self.check_lease()
         if session_id in self._mine:
             return self.worker
         owner = await self.store.claim(session_id, self.worker, fresh=fresh)

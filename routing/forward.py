@@ -321,6 +321,12 @@ async def _watch_disconnect(receive: Receive, conn: _Connection) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             break
+    _client_left(conn)
+
+
+def _client_left(conn: _Connection) -> None:
+    """The client went away: unless its reply had ended, the claimant's connection is
+    closed, which tells the claimant's handler."""
     if not conn.finished:
         conn.client_gone = True
         conn.transport.abort()
@@ -340,9 +346,7 @@ async def _send_rest(receive: Receive, conn: _Connection, chunked: bool) -> None
             return  # the reply ended: the rest is not wanted
         message = await receive()
         if message["type"] != "http.request":
-            if not conn.finished:
-                conn.client_gone = True
-                conn.transport.abort()
+            _client_left(conn)
             return
         if conn.closed or conn.complete:
             return

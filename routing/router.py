@@ -690,9 +690,8 @@ class _Served:
         if claims is None:
             self.used = bool(getattr(scope.get("session"), "accessed", False))
             return False
-        if self.session_id is not None and claims.lease_until < math.inf and not claims.leased():
-            # The lease lapsed while the handler ran: other hosts may take the session.
-            raise TetherError("cluster_unavailable", LEASE_LAPSED)
+        if self.session_id is not None and claims.lease_until < math.inf:
+            claims.check_lease()  # it may have lapsed while the handler ran
         session = scope.get("session")
         self.used = used = bool(getattr(session, "accessed", False))
         sid = self.session_id
